@@ -1,0 +1,34 @@
+# The two front-door commands (README): `make lab` starts the course, `make test` runs every test.
+# Both create or update the environment in .venv first, and are quick when it is up to date.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+READY := $(VENV)/.installed
+KERNEL := cs336-parallel
+# A browser opens where there is a screen; on a headless server JupyterLab just prints its URL.
+OPEN_BROWSER := $(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
+
+.PHONY: lab test notebooks lint clean
+
+lab: $(READY)
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(OPEN_BROWSER) $(ARGS)
+
+test: $(READY)
+	$(BIN)/python -m pytest $(ARGS)
+
+notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors)
+	$(BIN)/python -m grading.release
+
+lint: $(READY)
+	$(BIN)/ruff check cs336_parallel tests grading
+
+$(READY): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "cs336-parallel needs Python 3.10 or newer (3.11 recommended), found " + sys.version' 
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[course,test]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python 3 ($(KERNEL))" >/dev/null
+	touch $@
+
+clean:
+	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db

@@ -1,0 +1,23 @@
+"""python -m cs336_parallel.bench TOPIC [--notebook PATH]: a side-by-side benchmark, ratios printed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+TOPICS = {
+    "launch": "starting ranks: cold start vs torch.multiprocessing.spawn, warm round trips",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m cs336_parallel.bench", description=__doc__)
+    parser.add_argument("topic", choices=sorted(TOPICS), help="; ".join(f"{k}: {v}" for k, v in TOPICS.items()))
+    parser.add_argument("--notebook", default=None,
+                        help="load the exercise implementations from this notebook (default: the master solution)")
+    args = parser.parse_args()
+    importlib.import_module(f"cs336_parallel.bench.{args.topic}").main(args)
+
+
+if __name__ == "__main__":
+    main()

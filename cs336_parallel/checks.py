@@ -1,0 +1,156 @@
+"""What the notebooks' tests ask of a learner's code: run it on N ranks, compare it with ground truth
+computed independently, and count (or forbid) the collectives it calls.
+
+A test cell reads like this (the checking function runs on every rank):
+
+    def check(ring_all_reduce):
+        x = checks.random_tensor((1000,), seed=dist.get_rank())
+        expected = x.clone(); dist.all_reduce(expected)      # ground truth: the library
+        with checks.only_point_to_point("ring_all_reduce"):
+            ring_all_reduce(x)
+        checks.assert_close(x, expected, name="ring_all_reduce(x)")
+
+    checks.run(4, check, ring_all_reduce)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .cluster import session_cluster
+
+TEST_TIMEOUT_S = 30.0  # a deadlocked exercise fails its test after this long, not the notebook's cell limit
+
+# c10d operator -> the torch.distributed function a learner calls, and which tensor argument is the
+# message size S in the nccl-tests convention (the whole buffer: the gathered output, the scattered input).
+_OPS = {
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced",
+    "broadcast_": "broadcast", "reduce_": "reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather_single",
+    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_coalesced",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_coalesced",
+    "gather_": "gather", "scatter_": "scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
+    "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
+}
+POINT_TO_POINT = frozenset({"send", "recv"})  # isend, irecv and batch_isend_irecv call these too
+
+
+class ForbiddenCallError(RuntimeError):
+    """An exercise called a collective it was asked to implement without."""
+
+
+@dataclass
+class Call:
+    op: str  # the torch.distributed name, e.g. "all_reduce", "send"
+    nbytes: int  # message size S: the largest tensor the call touches
+    peer: int | None = None  # for send and recv: the other rank (in the group)
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every torch.distributed call made under it (op, bytes, peer); may forbid some.
+
+    Works at the dispatcher, so it sees `dist.all_reduce` however it was imported, and the
+    collectives that autograd hooks launch during backward."""
+
+    def __init__(self, forbid: Iterable[str] = (), *, allow: Iterable[str] | None = None, exercise: str = ""):
+        super().__init__()
+        self.forbid, self.allow, self.exercise = set(forbid), None if allow is None else set(allow), exercise
+        self.calls: list[Call] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func.__name__.split(".")[0] in _OPS:
+            op = _OPS[func.__name__.split(".")[0]]
+            if op in self.forbid or (self.allow is not None and op not in self.allow):
+                allowed = ("; it may use only send, recv, isend, irecv and batch_isend_irecv"
+                           if self.allow == POINT_TO_POINT else f"; it may use only {', '.join(sorted(self.allow))}"
+                           if self.allow is not None else "")
+                raise ForbiddenCallError(f"{self.exercise or 'this code'} called dist.{op}{allowed}.")
+            peer = args[2] if op in POINT_TO_POINT and len(args) > 2 and isinstance(args[2], int) else None
+            self.calls.append(Call(op, _largest_tensor_bytes(args), peer))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def counts(self) -> Counter:
+        """How many times each op was called, e.g. Counter({"all_reduce": 2})."""
+        return Counter(c.op for c in self.calls)
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent with send/isend (what a ring algorithm's cost model counts)."""
+        return sum(c.nbytes for c in self.calls if c.op == "send")
+
+
+def _largest_tensor_bytes(args) -> int:
+    sizes = [0]
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(t, list):
+                sizes += [x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor)]
+            elif isinstance(t, torch.Tensor):
+                sizes.append(t.numel() * t.element_size())
+    return max(sizes)
+
+
+def count_collectives() -> CommCounter:
+    """`with count_collectives() as comm: ...`, then `comm.counts`, `comm.calls`, `comm.bytes_sent()`."""
+    return CommCounter()
+
+
+def only_point_to_point(exercise: str) -> CommCounter:
+    """Fail with a clear message if `exercise` calls anything but send/recv/isend/irecv/batch_isend_irecv."""
+    return CommCounter(allow=POINT_TO_POINT, exercise=exercise)
+
+
+def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on every rank of this kernel's cluster of `world_size` ranks."""
+    return session_cluster(world_size).call(fn, args, kwargs, timeout=timeout)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Deterministic test data: normal floats, or integers in [-100, 100); different for each seed."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    else:
+        t = torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+    return t.to(device)
+
+
+def _where() -> str:
+    return f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result",
+                 rtol: float | None = None, atol: float | None = None) -> None:
+    """`torch.testing.assert_close` (float32 default: rtol 1.3e-6, atol 1e-5; exact for integers), with a
+    message that names the rank, the tensor and the largest error."""
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{_where()}{name} should be a tensor, got {type(actual).__name__}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{_where()}{name} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{_where()}{name} has dtype {actual.dtype}, expected {expected.dtype}")
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError:
+        diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().nan_to_num(math.inf)
+        index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
+        raise AssertionError(
+            f"{_where()}{name} differs from the expected value: largest error {diff.max().item():.3g} at index "
+            f"{list(index)} (got {actual[index].item()!r}, expected {expected[index].item()!r}); "
+            f"{int((diff > 0).sum())} of {diff.numel()} elements differ") from None
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result") -> None:
+    """Bitwise equality (for gathers, broadcasts, copies), with the same message as `assert_close`."""
+    assert_close(actual, expected, name=name, rtol=0.0, atol=0.0)

@@ -1,0 +1,116 @@
+"""Errors raised in the kernel on behalf of ranks, shown as the rank saw them.
+
+The rank sends its traceback as plain data (`worker.Failure`); the kernel fills in source lines
+from its own line cache (a function defined in a notebook cell is known only to the kernel) and
+names notebook cells the way IPython does (`Cell In[5]`). IPython shows `_render_traceback_()`
+instead of the kernel-side traceback, so the learner sees the rank's frames, not the launcher's.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+
+from .worker import Failure, Frame
+
+
+def _cell_name(filename: str) -> str:
+    """`Cell In[5]` for a notebook cell's file name, the file name otherwise."""
+    try:
+        ip = get_ipython()  # type: ignore[name-defined]  # noqa: F821
+        count = ip.compile._filename_map.get(filename)
+    except (NameError, AttributeError):
+        count = None
+    return f"Cell In[{count}]" if count is not None else filename
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _short_path(filename: str) -> str:
+    """`torch/distributed/distributed_c10d.py` rather than the whole site-packages path."""
+    return filename.split("site-packages/", 1)[-1]
+
+
+def _in_library(filename: str) -> bool:
+    return "site-packages" in filename or filename.startswith(_PACKAGE_DIR) or "/lib/python3" in filename
+
+
+def format_frames(frames: list[Frame]) -> list[str]:
+    """Traceback lines; inside a library only the frame the caller entered is shown (that is the call
+    the learner made), the frames below it are counted."""
+    # torch wraps every collective in a logging decorator; the frame the learner called is the next one.
+    frames = [f for f in frames if not (f.name == "wrapper" and f.filename.endswith("c10d_logger.py"))]
+    lines: list[str] = []
+    hidden = 0
+    for i, f in enumerate(frames):
+        if _in_library(f.filename) and i > 0 and _in_library(frames[i - 1].filename):
+            hidden += 1
+            continue
+        if hidden:
+            lines.append(f"    ... {hidden} more frame{'s' * (hidden > 1)} inside the library")
+            hidden = 0
+        lines.append(f'  File "{_short_path(_cell_name(f.filename))}", line {f.lineno}, in {f.name}')
+        source = f.line or linecache.getline(f.filename, f.lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    if hidden:
+        lines.append(f"    ... {hidden} more frame{'s' * (hidden > 1)} inside the library")
+    return lines
+
+
+def format_failure(failure: Failure, rank: int) -> list[str]:
+    lines = []
+    if failure.cause is not None:
+        lines += format_failure(failure.cause, rank) + ["", failure.cause_text, ""]
+    if failure.frames:
+        lines.append(f"Traceback on rank {rank} (most recent call last):")
+        lines += format_frames(failure.frames)
+    lines += failure.message.splitlines()
+    if failure.type_name == "NotImplementedError" and failure.frames:
+        lines.append(f"Hint: `{failure.frames[-1].name}` is an exercise still to be filled in: "
+                     "write your solution in place of `raise NotImplementedError()` and run its cell.")
+    return lines
+
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_stack_dump(text: str, thread_id: int, launcher_file: str) -> list[Frame]:
+    """The frames of one thread from a `faulthandler` dump, oldest first, from the first frame
+    that `launcher_file` called (the launcher's own frames say nothing to the learner)."""
+    frames: list[Frame] = []
+    in_thread = False
+    for line in text.splitlines():
+        if header := _THREAD.match(line):
+            in_thread = int(header.group(1), 16) == thread_id
+        elif in_thread and (frame := _FRAME.match(line)):
+            frames.append(Frame(frame.group(1), int(frame.group(2)), frame.group(3)))
+    frames.reverse()
+    launcher = [i for i, f in enumerate(frames) if f.filename == launcher_file]
+    return frames[launcher[-1] + 1:] if launcher else frames
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception or died during a cluster call."""
+
+    def __init__(self, rank: int, headline: str, details: list[str]):
+        self.rank = rank
+        self.headline = headline
+        self.details = details
+        super().__init__("\n".join([headline, *details]))
+
+    def _render_traceback_(self) -> list[str]:
+        red, reset = "\x1b[31m", "\x1b[0m"
+        return [f"{red}{type(self).__name__}{reset}: {self.headline}", *self.details]
+
+
+class RankTimeout(RankError):
+    """Ranks did not finish a call within the timeout; `stacks` says where each one was waiting."""
+
+    def __init__(self, ranks: list[int], headline: str, details: list[str], stacks: dict[int, list[Frame]]):
+        self.ranks = ranks
+        self.stacks = stacks
+        super().__init__(ranks[0], headline, details)

@@ -1,0 +1,100 @@
+"""`%cluster` and `%%ranks`: start a group of ranks from a notebook and run cells on every rank."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .cluster import CLUSTER_TIMEOUT, Cluster, set_session_cluster
+
+
+def _pushable(value) -> bool:
+    """Functions and classes defined in the notebook, and modules, travel to the ranks."""
+    if inspect.ismodule(value):
+        return True
+    return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == "__main__"
+
+
+def names_to_push(source: str, user_ns: dict) -> dict:
+    """The notebook's functions, classes and modules that `source` uses without defining them."""
+    tree = ast.parse(source)
+    loaded, stored = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (stored if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            stored.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return {name: user_ns[name] for name in sorted(loaded - stored)
+            if name in user_ns and _pushable(user_ns[name])}
+
+
+@magics_class
+class ClusterMagics(Magics):
+    cluster_: Cluster | None = None
+
+    @magic_arguments()
+    @argument("action", choices=["start", "status", "restart", "shutdown"])
+    @argument("-n", "--nproc", type=int, default=4, help="number of ranks (world size)")
+    @argument("--backend", default="auto", help="auto (NCCL if there is a GPU per rank, else gloo), gloo or nccl")
+    @argument("--timeout", type=float, default=60.0, help="seconds a call may take before it is stopped")
+    @line_magic
+    def cluster(self, line: str) -> None:
+        """%cluster start -n 4 [--backend gloo] [--timeout 30] | status | restart | shutdown"""
+        args = parse_argstring(self.cluster, line)
+        if args.action == "start":
+            if self.cluster_ is not None:
+                self.cluster_.shutdown()
+            t0 = time.perf_counter()
+            try:
+                self.cluster_ = Cluster(args.nproc, backend=args.backend, timeout=args.timeout)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            set_session_cluster(self.cluster_.start())
+            print(f"Started {args.nproc} ranks ({self.cluster_.backend}) in {time.perf_counter() - t0:.1f} s.")
+            return
+        cluster = self._require()
+        if args.action == "status":
+            for s in cluster.status():
+                print(f"rank {s['rank']}: pid {s['pid']}, {s['device']}, {'alive' if s['alive'] else 'dead'}")
+        elif args.action == "restart":
+            t0 = time.perf_counter()
+            cluster.restart()
+            print(f"Restarted {cluster.world_size} ranks in {time.perf_counter() - t0:.1f} s.")
+        else:
+            cluster.shutdown()
+            print(f"Stopped {cluster.world_size} ranks.")
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="comma-separated ranks to run on (default: all)")
+    @argument("--timeout", type=float, default=None, help="seconds before the cell is stopped")
+    @cell_magic
+    def ranks(self, line: str, cell: str) -> None:
+        """Run the cell on every rank, each in its own persistent namespace (torch, dist, rank,
+        world_size and device are predefined; the notebook's functions, classes and modules that
+        the cell uses are sent along). Output is shown per rank, in rank order."""
+        args = parse_argstring(self.ranks, line)
+        cluster = self._require()
+        try:
+            ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise UsageError(f"--ranks takes comma-separated integers, got {args.ranks!r}") from None
+        source = "\n" + cell  # line numbers then match the cell's, whose first line is %%ranks
+        try:
+            pushed = names_to_push(source, self.shell.user_ns)
+        except SyntaxError as e:
+            raise UsageError(f"the cell is not valid Python: {e}") from None
+        timeout = CLUSTER_TIMEOUT if args.timeout is None else args.timeout
+        cluster.run_cell(source, filename=f"Cell In[{self.shell.displayhook.prompt_count}]", pushed=pushed,
+                         ranks=ranks, timeout=timeout)
+
+    def _require(self) -> Cluster:
+        if self.cluster_ is None:
+            raise UsageError("No cluster is running: start one with `%cluster start -n 4`.")
+        return self.cluster_

@@ -1,0 +1,56 @@
+"""Load the functions and classes a notebook defines, without running its demonstrations.
+
+Benchmarks compare a learner's implementation (or the master solution in `grading/source/`) with
+PyTorch's, and `python -m cs336_parallel.run` can launch a notebook's function under torchrun: both
+need the notebook's definitions, not its side effects.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _is_definition(stmt: ast.stmt) -> bool:
+    """Imports, functions, classes, docstrings, and assignments that call nothing (constants)."""
+    if isinstance(stmt, _DEFINITIONS):
+        return True
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return True
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+        return not any(isinstance(node, ast.Call) for node in ast.walk(stmt))
+    return False
+
+
+def definition_cells(path: str | Path) -> list[str]:
+    """The sources of the code cells that only define things, in notebook order."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    sources = []
+    for cell in cells:
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "!")):
+            continue
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # magics inside the cell
+            continue
+        if tree.body and all(_is_definition(stmt) for stmt in tree.body):
+            sources.append(source)
+    return sources
+
+
+def load_definitions(path: str | Path, names: list[str] | None = None) -> dict:
+    """Execute a notebook's definition cells; return the namespace (checked to hold `names`).
+
+    The namespace is not an importable module, so cloudpickle ships its functions to ranks by value."""
+    path = Path(path)
+    namespace: dict = {"__name__": f"notebook:{path.stem}"}
+    for i, source in enumerate(definition_cells(path)):
+        exec(compile(source, f"{path.name} (definition cell {i + 1})", "exec"), namespace)
+    missing = [n for n in names or [] if n not in namespace]
+    if missing:
+        raise LookupError(f"{path} defines no {', '.join(missing)} (looked in cells that only define things)")
+    return namespace

@@ -1,0 +1,188 @@
+"""The rank side of a `Cluster`: one process per rank, started by the kernel through a forkserver.
+
+A worker joins the process group, then serves requests from the kernel over a pipe until told to
+stop: run a shipped function, or execute a `%%ranks` cell in its persistent namespace. Its stdout
+and stderr go to files the kernel reads; SIGUSR1 dumps its Python stack for the kernel's timeout
+report. It dies with its parent (parent-death signal) and when the kernel's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import faulthandler
+import importlib
+import io
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+# Warnings that say nothing to a learner about their own code.
+_HARMLESS_WARNINGS = [
+    r".*Unable to resolve hostname.*",
+    r".*No device id is provided via `init_process_group` or `barrier`.*",
+]
+
+
+@dataclass
+class Frame:
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+
+@dataclass
+class Failure:
+    """An exception on a rank, reduced to plain data so the kernel can show it."""
+
+    type_name: str
+    message: str  # the `Type: message` lines, as `traceback` formats them
+    frames: list[Frame]
+    cause: Failure | None = None  # the exception this one was raised from, if any
+    cause_text: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Failure:
+        frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "")
+                  for f in traceback.extract_tb(exc.__traceback__)
+                  if f.filename != __file__]
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        inner, text = exc.__cause__, "The above exception was the direct cause of the following exception:"
+        if inner is None and exc.__context__ is not None and not exc.__suppress_context__:
+            inner, text = exc.__context__, "During handling of the above exception, another exception occurred:"
+        cause = cls.from_exception(inner) if inner is not None else None
+        return cls(type(exc).__name__, message, frames, cause, text if cause else "")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the forkserver) exits."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def _capture_output(out_path: str, err_path: str) -> None:
+    """Send fds 1 and 2 (Python and C++ alike) to files the kernel reads after each call."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(file_fd, fd)
+        os.close(file_fd)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True, write_through=True)
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings in one line each: `UserWarning: text (file.py:12)`."""
+    print(f"{category.__name__}: {message} ({os.path.basename(filename)}:{lineno})", file=sys.stderr)
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (`lo` on Linux, `lo0` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), names[0] if names else "lo")
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    """cloudpickle, plus: tensors travel on the CPU and without autograd history (the kernel never
+    touches CUDA; a non-leaf tensor cannot be pickled), and module-like objects such as `torch.ops`
+    travel by name (cloudpickle cannot copy them)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and (obj.is_cuda or obj.grad_fn is not None):
+            return obj.detach().cpu().__reduce_ex__(self.proto)
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def run_cell(namespace: dict, source: str, filename: str) -> None:
+    """Execute `source` like an IPython cell: a final expression's value is printed (if not None)."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    tree = ast.parse(source, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        if value is not None:
+            print(repr(value))
+
+
+def main(rank: int, world_size: int, backend: str, store_port: int, conn, files: dict[str, str],
+         pg_timeout_s: float) -> None:
+    """Entry point of a rank (the target of the kernel's `multiprocessing.Process`)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt stops
+    _capture_output(files["out"], files["err"])
+    stack_file = open(files["stack"], "a")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    for pattern in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which raises it
+        conn.send_bytes(dumps(("failed", Failure.from_exception(exc))))
+        return
+    conn.send_bytes(dumps(("ready", {"pid": os.getpid(), "backend": backend, "device": str(device),
+                                     "main_thread": threading.get_ident()})))
+
+    namespace = {"torch": torch, "dist": dist, "rank": rank, "world_size": world_size,
+                 "device": device, "__name__": "__main__"}
+    while True:
+        try:
+            request = cloudpickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the kernel went away
+            break
+        if request[0] == "close":
+            break
+        try:
+            if request[0] == "call":
+                _, fn, args, kwargs = request
+                reply = ("ok", fn(*args, **kwargs))
+            else:  # ("cell", source, filename, names pushed from the kernel)
+                _, source, filename, pushed = request
+                namespace.update(pushed)
+                reply = ("ok", run_cell(namespace, source, filename))
+        except BaseException as exc:  # noqa: BLE001
+            reply = ("error", Failure.from_exception(exc))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            payload = dumps(reply)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+            payload = dumps(("error", Failure.from_exception(
+                TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}"))))
+        conn.send_bytes(payload)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can hang on gloo threads

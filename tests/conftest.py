@@ -1,0 +1,53 @@
+"""Shared fixtures: processes checked for leftovers, scripts run in a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """Wait until none of `pids` is alive; return those still alive after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+@pytest.fixture
+def python_script(tmp_path):
+    """Start a Python script (dedented source) in a fresh interpreter; returns a Popen."""
+
+    def start(source: str, **kwargs) -> subprocess.Popen:
+        path = tmp_path / f"script_{len(list(tmp_path.iterdir()))}.py"
+        path.write_text(textwrap.dedent(source))
+        return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, **kwargs)
+
+    return start

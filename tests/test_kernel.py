@@ -1,0 +1,175 @@
+"""The cluster from a real Jupyter kernel: magics, grouped output, errors, timeouts, interrupts, leftovers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import nbformat
+import pytest
+from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
+
+from conftest import pid_alive, wait_gone
+
+KERNEL = "python3"  # the kernel of this interpreter's environment
+
+
+def run_notebook(cells: list[str]) -> list[dict]:
+    """Execute cells in a fresh kernel as nbgrader would (errors allowed); return each cell's outputs."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name=KERNEL, allow_errors=True).execute()
+    return [cell.outputs for cell in nb.cells]
+
+
+def text(outputs: list[dict], stream: str = "stdout") -> str:
+    return "".join(o["text"] for o in outputs if o["output_type"] == "stream" and o["name"] == stream)
+
+
+def error(outputs: list[dict]) -> dict:
+    errors = [o for o in outputs if o["output_type"] == "error"]
+    assert errors, f"expected an error, got {outputs}"
+    errors[0]["text"] = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(errors[0]["traceback"]))
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def notebook():
+    return run_notebook([
+        "%load_ext cs336_parallel",
+        "%%ranks\nrank",  # 1: no cluster yet
+        "%cluster start -n 4",
+        "import math\ndef double(x):\n    return 2 * x",
+        "%%ranks\nx = torch.ones(2) * double(rank)\ndist.all_reduce(x)\nprint('sum', x.tolist(), math.floor(2.5))\nx",
+        "%%ranks\nx.sum()",  # 5: the namespace persists
+        "%%ranks --ranks 0,2\nrank",
+        "%%ranks\nimport sys, warnings\nwarnings.warn('careful')\nprint('to stderr', file=sys.stderr)",
+        "%%ranks\nif rank == 1:\n    raise ValueError('bad shape on purpose')\ndist.barrier()",
+        "%%ranks --timeout 2\nif rank == 0:\n    dist.barrier()",  # 9
+        "%%ranks\nprint(world_size, device)",
+        "%cluster status",
+        "%cluster restart",
+        "%%ranks\n'x' in dir()",  # 13: a restart resets the namespaces
+        "%cluster shutdown",
+    ])
+
+
+def test_ranks_needs_a_running_cluster(notebook):
+    # IPython shows a UsageError on stderr, without failing the cell
+    assert "No cluster is running: start one with `%cluster start -n 4`" in text(notebook[1], "stderr")
+
+
+def test_cluster_start_reports_ranks_and_backend(notebook):
+    assert re.match(r"Started 4 ranks \(gloo\) in \d+\.\d s\.", text(notebook[2]))
+
+
+def test_ranks_cell_output_is_grouped_by_rank_with_the_last_value(notebook):
+    lines = text(notebook[4]).splitlines()
+    expected = []
+    for r in range(4):
+        expected += [f"[rank {r}] sum [12.0, 12.0] 2", f"[rank {r}] tensor([12., 12.])"]
+    assert lines == expected  # the notebook's own function and module went to the ranks
+
+
+def test_each_rank_keeps_its_namespace_between_cells(notebook):
+    assert text(notebook[5]).splitlines() == [f"[rank {r}] tensor(24.)" for r in range(4)]
+
+
+def test_a_cell_can_run_on_some_ranks(notebook):
+    assert text(notebook[6]).splitlines() == ["[rank 0] 0", "[rank 2] 2"]
+
+
+def test_worker_stderr_is_shown_as_rank_tagged_stdout(notebook):
+    lines = text(notebook[7]).splitlines()
+    assert "[rank 3 stderr] UserWarning: careful (Cell In[8]:3)" in lines
+    assert "[rank 0 stderr] to stderr" in lines
+    assert all(text(outputs, "stderr") == "" for outputs in notebook[2:])  # nbgrader zeroes a cell with stderr
+
+
+def test_a_rank_error_shows_the_ranks_traceback_with_cell_lines(notebook):
+    err = error(notebook[8])
+    assert err["ename"] == "RankError"
+    assert "rank 1 raised ValueError: bad shape on purpose" in err["text"]
+    assert 'File "Cell In[9]", line 3, in <module>' in err["text"]
+    assert "raise ValueError('bad shape on purpose')" in err["text"]
+    assert "worker.py" not in err["text"] and "cluster.py" not in err["text"]
+
+
+def test_a_hang_times_out_showing_where_each_rank_waits(notebook):
+    err = error(notebook[9])
+    assert err["ename"] == "RankTimeout"
+    assert "rank 0 did not finish within 2 s" in err["text"] and "dist.barrier()" in err["text"]
+    assert text(notebook[10]).splitlines() == [f"[rank {r}] 4 cpu" for r in range(4)]  # restarted, works
+
+
+def test_status_restart_and_shutdown(notebook):
+    assert len(re.findall(r"rank \d: pid \d+, cpu, alive", text(notebook[11]))) == 4
+    assert re.match(r"Restarted 4 ranks in", text(notebook[12]))
+    assert text(notebook[13]).splitlines() == [f"[rank {r}] False" for r in range(4)]
+    assert text(notebook[14]) == "Stopped 4 ranks.\n"
+
+
+class Kernel:
+    """A kernel driven message by message, for interrupts and process checks."""
+
+    def __init__(self):
+        self.km, self.kc = start_new_kernel(kernel_name=KERNEL, stderr=subprocess.DEVNULL)
+
+    def execute(self, code: str, timeout: float = 60) -> tuple[str, dict]:
+        out = []
+
+        def hook(msg):
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        return "".join(out), reply["content"]
+
+    def start_cluster(self, n: int) -> list[int]:
+        """Start `n` ranks; return their pids and the forkserver's."""
+        out, _ = self.execute(f"%load_ext cs336_parallel\n%cluster start -n {n}\n")
+        out, _ = self.execute("%%ranks\nimport os\nprint(os.getpid(), os.getppid())")
+        pairs = [line.split("] ")[1].split() for line in out.splitlines()]
+        return [int(p) for p, _ in pairs] + [int(pairs[0][1])]
+
+    def close(self):
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel():
+    k = Kernel()
+    yield k
+    k.close()
+
+
+def test_interrupt_stops_every_rank_within_2s_and_the_kernel_stays_usable(kernel):
+    pids = kernel.start_cluster(2)[:2]
+    kernel.kc.execute("%%ranks --timeout 600\nif rank == 0:\n    dist.barrier()\nwhile True:\n    pass")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=10)
+    assert time.monotonic() - t0 < 2
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert wait_gone(pids, timeout=2) == []
+    out, content = kernel.execute("%%ranks\nrank")
+    assert content["status"] == "ok" and out.splitlines() == ["[rank 0] 0", "[rank 1] 1"]
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
+def test_no_process_outlives_the_kernel(kernel, how):
+    pids = kernel.start_cluster(2)
+    assert all(pid_alive(p) for p in pids)
+    if how == "shutdown":
+        kernel.km.shutdown_kernel()
+    elif how == "restart":
+        kernel.km.restart_kernel()
+    else:
+        os.kill(kernel.km.provisioner.process.pid, signal.SIGKILL)
+    assert wait_gone(pids) == []

@@ -1,0 +1,26 @@
+"""The set-up files agree with each other."""
+
+from __future__ import annotations
+
+import tomllib
+
+import yaml
+
+from conftest import ROOT
+
+
+def test_environment_yml_pins_what_pyproject_pins():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(project["dependencies"])
+    for extra in ("course", "test"):
+        wanted |= set(project["optional-dependencies"][extra])
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert set(pip) - {"-e ."} == wanted
+    assert "-e ." in pip and "python=3.11" in env["dependencies"]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make lab" in readme
+    assert (ROOT / ".ci/run").read_text().strip().splitlines()[-1] == "make test"
