@@ -6,10 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.installed
 KERNEL := cs336-parallel
+# The environment's tools (jupyter, nbgrader, alembic) come first for every command.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 # A browser opens where there is a screen; on a headless server JupyterLab just prints its URL.
 OPEN_BROWSER := $(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
 
-.PHONY: lab test notebooks lint clean
+.PHONY: lab test notebooks grade lint clean
 
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(OPEN_BROWSER) $(ARGS)
@@ -18,7 +20,10 @@ test: $(READY)
 	$(BIN)/python -m pytest $(ARGS)
 
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors)
-	$(BIN)/python -m grading.release
+	$(BIN)/python grading/course.py release
+
+grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_collectives.ipynb
+	$(BIN)/python grading/course.py selfgrade $(NOTEBOOK)
 
 lint: $(READY)
 	$(BIN)/ruff check cs336_parallel tests grading

@@ -4,10 +4,10 @@
 `%load_ext cs336_parallel` adds the `%cluster` and `%%ranks` magics.
 """
 
-from .cluster import Cluster, device
+from .cluster import Cluster, device, session_cluster
 from .errors import RankError, RankTimeout
 
-__all__ = ["Cluster", "RankError", "RankTimeout", "device", "load_ipython_extension"]
+__all__ = ["Cluster", "RankError", "RankTimeout", "device", "load_ipython_extension", "session_cluster"]
 
 
 def load_ipython_extension(ipython) -> None:

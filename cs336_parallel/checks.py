@@ -154,3 +154,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "r
 def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result") -> None:
     """Bitwise equality (for gathers, broadcasts, copies), with the same message as `assert_close`."""
     assert_close(actual, expected, name=name, rtol=0.0, atol=0.0)
+
+
+def assert_raises(exc_type: type[BaseException], fn: Callable, *args, **kwargs) -> None:
+    """Check that `fn(*args, **kwargs)` raises `exc_type` (a bad argument must be refused, not ignored)."""
+    call = f"{getattr(fn, '__name__', fn)}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+    try:
+        fn(*args, **kwargs)
+    except exc_type:
+        return
+    raise AssertionError(f"{_where()}{call} should raise {exc_type.__name__}")

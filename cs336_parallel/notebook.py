@@ -25,17 +25,24 @@ def _is_definition(stmt: ast.stmt) -> bool:
     return False
 
 
+def _without_magics(source: str) -> str:
+    """The cell with its `%line magic` and `!shell` lines removed (a `%%cell magic` cell becomes empty)."""
+    if source.lstrip().startswith("%%"):
+        return ""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
 def definition_cells(path: str | Path) -> list[str]:
-    """The sources of the code cells that only define things, in notebook order."""
+    """The sources of the code cells that only define things (magics removed), in notebook order."""
     cells = json.loads(Path(path).read_text())["cells"]
     sources = []
     for cell in cells:
-        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "!")):
+        if cell["cell_type"] != "code":
             continue
+        source = _without_magics("".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"])
         try:
             tree = ast.parse(source)
-        except SyntaxError:  # magics inside the cell
+        except SyntaxError:
             continue
         if tree.body and all(_is_definition(stmt) for stmt in tree.body):
             sources.append(source)

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cs336_parallel import Cluster, RankError, RankTimeout
 from conftest import ROOT, pid_alive, wait_gone
+from cs336_parallel import Cluster, RankError, RankTimeout
 
 
 @pytest.fixture(scope="module")

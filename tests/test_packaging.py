@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import tomllib
-
 import yaml
 
 from conftest import ROOT

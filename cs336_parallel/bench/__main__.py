@@ -7,6 +7,7 @@ import importlib
 
 TOPICS = {
     "launch": "starting ranks: cold start vs torch.multiprocessing.spawn, warm round trips",
+    "collectives": "algbw/busbw of the collectives; a ring all-reduce against the library's",
 }
 
 

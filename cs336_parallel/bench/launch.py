@@ -78,12 +78,14 @@ def _kernel_cell_ms(code: str, repeats: int = 30) -> float:
 def main(args=None) -> None:
     from cs336_parallel import Cluster
 
-    print(f"Starting {WORLD_SIZE} ranks on gloo, to the first all-reduce result (fresh interpreters, torch imported):")
+    print(f"Starting {WORLD_SIZE} ranks on gloo, to the first all-reduce result "
+          "(fresh interpreters, torch imported):")
     cold = statistics.median(_fresh_process_seconds(_COLD_CLUSTER.format(n=WORLD_SIZE)) for _ in range(3))
     spawn = statistics.median(_fresh_process_seconds(_COLD_SPAWN.format(n=WORLD_SIZE)) for _ in range(3))
     print(f"  Cluster (forkserver)            {cold:7.2f} s")
     print(f"  torch.multiprocessing.spawn     {spawn:7.2f} s")
-    print(f"  ratio                           {cold / spawn:7.2f}x   (target <= 0.25x: {_verdict(cold / spawn <= 0.25)})")
+    ratio = cold / spawn
+    print(f"  ratio                           {ratio:7.2f}x   (target <= 0.25x: {_verdict(ratio <= 0.25)})")
 
     with Cluster(WORLD_SIZE) as cluster:
         cluster.run(lambda: None)
