@@ -10,11 +10,17 @@ KERNEL := cs336-parallel
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 # A browser opens where there is a screen; on a headless server JupyterLab just prints its URL.
 OPEN_BROWSER := $(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
+# Containers and cloud machines often log in as root; JupyterLab refuses root unless told.
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# nbgrader's instructor tools (formgrader, exchange-based assignment and course lists) stay out of the
+# learner's JupyterLab; its Validate button stays. Instructors use grading/course.py (grading/README.md).
+NBGRADER_SERVER_OFF := formgrader assignment_list course_list
+NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment menu
 
 .PHONY: lab test notebooks grade lint clean
 
 lab: $(READY)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(OPEN_BROWSER) $(ARGS)
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
 
 test: $(READY)
 	$(BIN)/python -m pytest $(ARGS)
@@ -26,13 +32,15 @@ grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_co
 	$(BIN)/python grading/course.py selfgrade $(NOTEBOOK)
 
 lint: $(READY)
-	$(BIN)/ruff check cs336_parallel tests grading
+	$(BIN)/ruff check .
 
 $(READY): pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "cs336-parallel needs Python 3.10 or newer (3.11 recommended), found " + sys.version' 
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cs336-parallel needs Python 3.11 or newer, found " + sys.version' 
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[course,test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python 3 ($(KERNEL))" >/dev/null
+	$(BIN)/jupyter server extension disable --sys-prefix $(NBGRADER_SERVER_OFF:%=nbgrader.server_extensions.%) >/dev/null 2>&1
+	$(BIN)/jupyter labextension disable --level=sys_prefix $(NBGRADER_LAB_OFF:%=@jupyter/nbgrader:%) >/dev/null 2>&1
 	touch $@
 
 clean:

@@ -111,8 +111,10 @@ def only_point_to_point(exercise: str) -> CommCounter:
 
 
 def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, **kwargs) -> list:
-    """Run `fn(*args, **kwargs)` on every rank of this kernel's cluster of `world_size` ranks."""
-    return session_cluster(world_size).call(fn, args, kwargs, timeout=timeout)
+    """Run `fn(*args, **kwargs)` on every rank of this kernel's CPU cluster of `world_size` ranks.
+
+    Tests always run on CPU ranks (gloo), so a grade does not depend on the machine's GPUs."""
+    return session_cluster(world_size, backend="gloo").call(fn, args, kwargs, timeout=timeout)
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,

@@ -376,24 +376,25 @@ class Cluster:
         return stacks
 
 
-_session: dict[int, Cluster] = {}  # this process's shared clusters, one per world size
+_session: dict[tuple[int, str], Cluster] = {}  # this process's shared clusters, by (world size, backend)
 
 
-def session_cluster(world_size: int, **options) -> Cluster:
-    """This process's shared cluster of `world_size` ranks (the one `%cluster start` made, if that
-    size), started on first use and kept for later calls: tests reuse it instead of starting anew."""
-    cluster = _session.get(world_size)
-    if cluster is None:
-        cluster = _session[world_size] = Cluster(world_size, **options)
-    return cluster
+def session_cluster(world_size: int, backend: str = "auto", **options) -> Cluster:
+    """This process's shared cluster of `world_size` ranks on `backend` (the one `%cluster start`
+    made, if it matches), started on first use and kept for later calls."""
+    key = (world_size, resolve_backend(backend, world_size))
+    if key not in _session:
+        _session[key] = Cluster(world_size, backend=key[1], **options)
+    return _session[key]
 
 
 def set_session_cluster(cluster: Cluster) -> None:
-    """Make `cluster` the shared one of its size, shutting down the one it replaces."""
-    old = _session.get(cluster.world_size)
+    """Make `cluster` the shared one of its size and backend, shutting down the one it replaces."""
+    key = (cluster.world_size, cluster.backend)
+    old = _session.get(key)
     if old is not None and old is not cluster:
         old.shutdown()
-    _session[cluster.world_size] = cluster
+    _session[key] = cluster
 
 
 def _read_lines(path: str) -> list[str]:

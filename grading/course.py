@@ -20,7 +20,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from nbgrader.api import Gradebook
@@ -75,7 +75,7 @@ def collect(submissions: Path, root: Path = COURSE) -> list[tuple[str, str]]:
         target = root / "submitted" / student / assignment
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, target / path.name)
-        (target / "timestamp.txt").write_text(datetime.now(timezone.utc).isoformat())
+        (target / "timestamp.txt").write_text(datetime.now(UTC).isoformat())
         collected.append((student, assignment))
     return collected
 

@@ -287,3 +287,14 @@ def test_core_modules_import_with_torch_and_cloudpickle_alone():
     imports = "import cs336_parallel, cs336_parallel.cluster, cs336_parallel.checks, cs336_parallel.bench"
     done = subprocess.run([sys.executable, "-c", blocked + imports], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_session_clusters_are_shared_by_size_and_backend():
+    from cs336_parallel import checks, session_cluster
+
+    cpu = session_cluster(2, backend="gloo")
+    assert session_cluster(2, backend="gloo") is cpu
+    if torch.cuda.device_count() < 2:  # "auto" means gloo here: the notebook's cluster serves the tests too
+        assert session_cluster(2) is cpu
+    assert checks.run(2, dist.get_backend) == ["gloo", "gloo"]
+    cpu.shutdown()

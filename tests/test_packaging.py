@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
+
 import yaml
 
 from conftest import ROOT
@@ -23,3 +26,9 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make lab" in readme
     assert (ROOT / ".ci/run").read_text().strip().splitlines()[-1] == "make test"
+
+
+def test_lint_is_clean():
+    """ruff (pyproject.toml's rules, undefined names included) over the package, tests and notebooks."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
