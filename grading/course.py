@@ -1,6 +1,6 @@
 """The course's nbgrader workflow, one subcommand per step (run from the repository root):
 
-    python grading/course.py release                    # student notebooks -> notebooks/ (from grading/source)
+    python grading/course.py release [ASSIGNMENT ...]   # student notebooks -> notebooks/ (from grading/source)
     python grading/course.py collect SUBMISSIONS        # SUBMISSIONS/<student>/<assignment>.ipynb -> grading/submitted
     python grading/course.py autograde [ASSIGNMENT ...] # run the hidden tests on every submission
     python grading/course.py feedback [ASSIGNMENT ...]  # one HTML report per student and notebook
@@ -52,12 +52,13 @@ def _check(result: dict, what: str) -> None:
         raise RuntimeError(f"nbgrader could not {what}:\n{result.get('error') or result.get('log')}")
 
 
-def release(root: Path = COURSE, into: Path = REPO / "notebooks") -> list[Path]:
-    """Generate every student version (solutions and hidden tests removed) and copy it into `into`."""
+def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[str] | None = None) -> list[Path]:
+    """Generate the student versions (solutions and hidden tests removed) of `names` (default: all)
+    and copy them into `into`."""
     grader = api(root)
     into.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in assignments(root):
+    for name in names or assignments(root):
         _check(grader.generate_assignment(name), f"generate {name}")
         written.append(Path(shutil.copy(root / "release" / name / f"{name}.ipynb", into / f"{name}.ipynb")))
     return written
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python grading/course.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("release")
+    sub.add_parser("release").add_argument("assignments", nargs="*")
     sub.add_parser("collect").add_argument("submissions", type=Path)
     sub.add_parser("autograde").add_argument("assignments", nargs="*")
     sub.add_parser("feedback").add_argument("assignments", nargs="*")
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("selfgrade").add_argument("notebook", type=Path)
     args = parser.parse_args(argv)
     if args.command == "release":
-        for path in release():
+        for path in release(names=args.assignments):
             print(f"wrote {path.relative_to(REPO)}")
     elif args.command == "collect":
         collected = collect(args.submissions)

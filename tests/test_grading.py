@@ -3,6 +3,7 @@ then autograde the solution, the blank release, and submissions that cheat, fail
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -15,10 +16,18 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from fixtures.submissions import DEADLOCK, DELETED_TEST, WRONG
 from grading import course
 
 ASSIGNMENTS = course.assignments()
+EDITED_IN = ASSIGNMENTS[0]  # editing a test cell is checked once: it is nbgrader's mechanism, not a notebook's
+
+
+def wrong_submission(name: str):
+    """tests/fixtures/wrong/<name>.py: WRONG answers, and optionally DEADLOCK answers and a DELETED_TEST."""
+    try:
+        return importlib.import_module(f"fixtures.wrong.{name}")
+    except ModuleNotFoundError:
+        pytest.fail(f"tests/fixtures/wrong/{name}.py is missing: every notebook ships a plausible wrong submission")
 
 
 def grade_cells(nb) -> dict[str, nbformat.NotebookNode]:
@@ -74,15 +83,19 @@ def _replace_answers(nb, answers: dict[str, str]) -> None:
 def _submissions(root: Path, name: str) -> dict[str, nbformat.NotebookNode]:
     solution = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
     blank = nbformat.read(root / "release" / name / f"{name}.ipynb", 4)
-    edited = nbformat.read(root / "release" / name / f"{name}.ipynb", 4)
-    for grade_id, cell in grade_cells(edited).items():
-        if grade_id.startswith("test_"):
-            cell.source = f"print('{grade_id}: ok')  # a learner's edit: the test no longer tests"
+    fixture = wrong_submission(name)
     wrong = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
-    _replace_answers(wrong, WRONG[name] | DEADLOCK.get(name, {}))
-    if name in DELETED_TEST:
-        wrong.cells = [c for c in wrong.cells if c.metadata.get("nbgrader", {}).get("grade_id") != DELETED_TEST[name]]
-    return {"solution": solution, "blank": blank, "edited": edited, "wrong": wrong}
+    _replace_answers(wrong, fixture.WRONG | getattr(fixture, "DEADLOCK", {}))
+    deleted = getattr(fixture, "DELETED_TEST", None)
+    wrong.cells = [c for c in wrong.cells if c.metadata.get("nbgrader", {}).get("grade_id", "") != deleted]
+    submissions = {"solution": solution, "blank": blank, "wrong": wrong}
+    if name == EDITED_IN:
+        edited = nbformat.read(root / "release" / name / f"{name}.ipynb", 4)
+        for grade_id, cell in grade_cells(edited).items():
+            if grade_id.startswith("test_"):
+                cell.source = f"print('{grade_id}: ok')  # a learner's edit: the test no longer tests"
+        submissions["edited"] = edited
+    return submissions
 
 
 @pytest.fixture(scope="module", params=ASSIGNMENTS)
@@ -121,12 +134,14 @@ def test_the_blank_release_scores_zero_without_waiting_for_a_timeout(graded):
 
 
 def test_edited_test_cells_earn_nothing(graded):
-    assert all(s == 0 for s, _ in graded.scores["edited"].values()), graded.scores["edited"]
+    if graded.name == EDITED_IN:
+        assert all(s == 0 for s, _ in graded.scores["edited"].values()), graded.scores["edited"]
 
 
 def test_a_wrong_answer_loses_its_own_points_and_no_others(graded):
-    broken = {f"test_{g}" for g in WRONG[graded.name] | DEADLOCK.get(graded.name, {})}
-    broken.add(DELETED_TEST.get(graded.name, ""))
+    fixture = wrong_submission(graded.name)
+    broken = {f"test_{g}" for g in fixture.WRONG | getattr(fixture, "DEADLOCK", {})}
+    broken.add(getattr(fixture, "DELETED_TEST", ""))
     for grade_id, (score, max_score) in graded.scores["wrong"].items():
         if grade_id in broken:
             assert score < max_score, f"{grade_id} should lose points, scored {score}/{max_score}"
@@ -135,7 +150,7 @@ def test_a_wrong_answer_loses_its_own_points_and_no_others(graded):
 
 
 def test_a_deadlock_fails_its_test_in_time_and_the_rest_is_graded(graded):
-    for grade_id in DEADLOCK.get(graded.name, {}):
+    for grade_id in getattr(wrong_submission(graded.name), "DEADLOCK", {}):
         cell = grade_cells(graded.notebooks["wrong"])[f"test_{grade_id}"]
         errors = [o for o in cell.outputs if o.output_type == "error"]
         assert errors and errors[0].ename == "RankTimeout", cell.outputs  # the test's own limit, not nbgrader's
@@ -143,8 +158,9 @@ def test_a_deadlock_fails_its_test_in_time_and_the_rest_is_graded(graded):
 
 
 def test_a_deleted_test_cell_earns_nothing(graded):
-    if graded.name in DELETED_TEST:
-        score, max_score = graded.scores["wrong"][DELETED_TEST[graded.name]]  # nbgrader still lists it
+    deleted = getattr(wrong_submission(graded.name), "DELETED_TEST", None)
+    if deleted:
+        score, max_score = graded.scores["wrong"][deleted]  # nbgrader still lists it
         assert score == 0 < max_score
 
 

@@ -1,7 +1,4 @@
-"""Pictures for the notebooks: the memory and network hierarchy, collectives, rings, bandwidth.
-
-Every function returns a matplotlib Figure (the notebook shows it); matplotlib is imported here only.
-"""
+"""Pictures of the hierarchy, the collectives, rings and trees, and measured bandwidth."""
 
 from __future__ import annotations
 
