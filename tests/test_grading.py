@@ -34,27 +34,28 @@ def grade_cells(nb) -> dict[str, nbformat.NotebookNode]:
     return {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells if "nbgrader" in c.metadata}
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    """A copy of the course with every assignment generated (release/ and notebooks/ inside it)."""
-    root = tmp_path_factory.mktemp("course")
-    shutil.copytree(course.COURSE / "source", root / "source")
-    course.release(root, root / "notebooks")
-    return root
+@pytest.fixture(scope="module", params=ASSIGNMENTS)
+def released(request, tmp_path_factory) -> tuple[str, Path]:
+    """(assignment, course root): a copy of the course with that one assignment generated."""
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    shutil.copytree(course.COURSE / "source" / name, root / "source" / name)
+    course.release(root, root / "notebooks", [name])
+    return name, root
 
 
-@pytest.mark.parametrize("name", ASSIGNMENTS)
-def test_committed_notebooks_are_the_current_release(released, name):
-    generated = (released / "notebooks" / f"{name}.ipynb").read_bytes()
+def test_committed_notebooks_are_the_current_release(released):
+    name, root = released
+    generated = (root / "notebooks" / f"{name}.ipynb").read_bytes()
     committed = ROOT / "notebooks" / f"{name}.ipynb"
     assert committed.exists() and committed.read_bytes() == generated, (
         f"notebooks/{name}.ipynb is out of date: run `make notebooks` (python grading/course.py release)")
 
 
-@pytest.mark.parametrize("name", ASSIGNMENTS)
-def test_release_has_no_solution_hidden_test_or_output(released, name):
+def test_release_has_no_solution_hidden_test_or_output(released):
+    name, root = released
     source = (course.COURSE / "source" / name / f"{name}.ipynb").read_text()
-    text = (released / "notebooks" / f"{name}.ipynb").read_text()
+    text = (root / "notebooks" / f"{name}.ipynb").read_text()
     for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
         assert marker not in text
     assert "### BEGIN SOLUTION" in source and "### BEGIN HIDDEN TESTS" in source
@@ -98,9 +99,9 @@ def _submissions(root: Path, name: str) -> dict[str, nbformat.NotebookNode]:
     return submissions
 
 
-@pytest.fixture(scope="module", params=ASSIGNMENTS)
-def graded(request, released) -> Graded:
-    name, root = request.param, released
+@pytest.fixture(scope="module")
+def graded(released) -> Graded:
+    name, root = released
     grader = course.api(root)
     scores, seconds, notebooks = {}, {}, {}
     for student, nb in _submissions(root, name).items():
