@@ -17,13 +17,24 @@ AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBGRADER_SERVER_OFF := formgrader assignment_list course_list
 NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment menu
 
-.PHONY: lab test notebooks grade lint clean
+NOTEBOOKS ?= notebooks
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+
+.PHONY: lab test chromium notebooks grade lint clean
 
 lab: $(READY)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
+	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
 
-test: $(READY)
+test: $(READY) chromium
 	$(BIN)/python -m pytest $(ARGS)
+
+# The browser tests drive Debian's Chromium; without it (and without the rights to install it) they are skipped.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
+	    { $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "Chromium is not installed and could not be installed here: the browser tests will be skipped."
 
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors)
 	$(BIN)/python grading/course.py release
@@ -41,6 +52,9 @@ $(READY): pyproject.toml
 	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python 3 ($(KERNEL))" >/dev/null
 	$(BIN)/jupyter server extension disable --sys-prefix $(NBGRADER_SERVER_OFF:%=nbgrader.server_extensions.%) >/dev/null 2>&1
 	$(BIN)/jupyter labextension disable --level=sys_prefix $(NBGRADER_LAB_OFF:%=@jupyter/nbgrader:%) >/dev/null 2>&1
+	mkdir -p $(VENV)/share/jupyter/lab/settings  # no "get Jupyter news?" prompt on a learner's first start
+	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}' \
+	  > $(VENV)/share/jupyter/lab/settings/overrides.json
 	touch $@
 
 clean:

@@ -5,13 +5,16 @@
 """
 
 from .cluster import Cluster, device, session_cluster
-from .errors import RankError, RankTimeout
+from .errors import RankError, RankInterrupt, RankTimeout
 
-__all__ = ["Cluster", "RankError", "RankTimeout", "device", "load_ipython_extension", "session_cluster"]
+__all__ = ["Cluster", "RankError", "RankInterrupt", "RankTimeout", "device", "load_ipython_extension",
+           "session_cluster"]
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext cs336_parallel`: register `%cluster` and `%%ranks`."""
-    from .magics import ClusterMagics
+    """`%load_ext cs336_parallel`: register `%cluster` and `%%ranks`, and name the exercise behind an
+    unfilled `raise NotImplementedError()`."""
+    from .magics import ClusterMagics, explain_unfilled_exercise
 
     ipython.register_magics(ClusterMagics)
+    ipython.set_custom_exc((NotImplementedError,), explain_unfilled_exercise)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import worker
-from .errors import RankError, RankTimeout, format_failure, format_frames, parse_stack_dump
+from .errors import RankError, RankInterrupt, RankTimeout, format_failure, format_frames, parse_stack_dump
 from .worker import Failure
 
 GRACE_S = 1.0  # after one rank fails, how long the others get to finish before they are stopped
@@ -182,10 +182,9 @@ class Cluster:
         if outcome.interrupted:
             stacks = self._dump_stacks(outcome.stuck)
             self._restart_in_background()
-            print(f"Interrupted: stopped {_list(outcome.stuck)} and restarted the cluster "
-                  "(per-rank variables are reset). Where each rank was:")
-            print("\n".join(_format_stacks(stacks)))
-            raise KeyboardInterrupt
+            raise RankInterrupt(f"stopped {_list(outcome.stuck)} and restarted the cluster "
+                                "(per-rank variables are reset).",
+                                ["Where each rank was (most recent call last):", *_format_stacks(stacks)])
         if outcome.failures or outcome.stuck:
             self._raise(outcome, timeout)
         return outcome.results

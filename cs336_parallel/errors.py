@@ -69,9 +69,16 @@ def format_failure(failure: Failure, rank: int) -> list[str]:
         lines += format_frames(failure.frames)
     lines += failure.message.splitlines()
     if failure.type_name == "NotImplementedError" and failure.frames:
-        lines.append(f"Hint: `{failure.frames[-1].name}` is an exercise still to be filled in: "
-                     "write your solution in place of `raise NotImplementedError()` and run its cell.")
+        lines += unfilled_exercise_hint(failure.frames[-1].name, failure.message)
     return lines
+
+
+def unfilled_exercise_hint(function: str, message: str) -> list[str]:
+    """Lines naming the exercise when `raise NotImplementedError()` (the blank stub) was reached."""
+    if function == "<module>" or message.strip() not in ("NotImplementedError", "NotImplementedError:", ""):
+        return []
+    return [f"Hint: `{function}` is an exercise still to be filled in: write your solution in place of "
+            "`raise NotImplementedError()`, run that cell, then run this one again."]
 
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
@@ -114,3 +121,15 @@ class RankTimeout(RankError):
         self.ranks = ranks
         self.stacks = stacks
         super().__init__(ranks[0], headline, details)
+
+
+class RankInterrupt(KeyboardInterrupt):
+    """The kernel was interrupted during a cluster call; shows where each rank was when it was stopped."""
+
+    def __init__(self, headline: str, details: list[str]):
+        self.headline, self.details = headline, details
+        super().__init__("\n".join([headline, *details]))
+
+    def _render_traceback_(self) -> list[str]:
+        red, reset = "\x1b[31m", "\x1b[0m"
+        return [f"{red}KeyboardInterrupt{reset}: {self.headline}", *self.details]

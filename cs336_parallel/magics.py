@@ -5,12 +5,14 @@ from __future__ import annotations
 import ast
 import inspect
 import time
+import traceback
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cluster import CLUSTER_TIMEOUT, Cluster, set_session_cluster
+from .errors import unfilled_exercise_hint
 
 
 def _pushable(value) -> bool:
@@ -33,6 +35,17 @@ def names_to_push(source: str, user_ns: dict) -> dict:
             stored.update((a.asname or a.name).split(".")[0] for a in node.names)
     return {name: user_ns[name] for name in sorted(loaded - stored)
             if name in user_ns and _pushable(user_ns[name])}
+
+
+def explain_unfilled_exercise(shell, etype, value, tb, tb_offset=None) -> list[str]:
+    """IPython's handler for NotImplementedError: the usual traceback, plus which exercise to fill."""
+    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    frames = traceback.extract_tb(tb)
+    if frames:
+        message = "".join(traceback.format_exception_only(etype, value)).strip()
+        stb += unfilled_exercise_hint(frames[-1].name, message)
+    shell._showtraceback(etype, value, stb)  # IPython leaves the display to the handler
+    return stb
 
 
 @magics_class

@@ -54,6 +54,8 @@ def notebook():
         "%cluster restart",
         "%%ranks\n'x' in dir()",  # 13: a restart resets the namespaces
         "%cluster shutdown",
+        "def ring_all_reduce(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()",  # 15: a blank exercise
+        "ring_all_reduce(1)",
     ])
 
 
@@ -112,6 +114,12 @@ def test_status_restart_and_shutdown(notebook):
     assert text(notebook[14]) == "Stopped 4 ranks.\n"
 
 
+def test_an_unfilled_exercise_called_in_the_kernel_is_named(notebook):
+    err = error(notebook[16])
+    assert err["ename"] == "NotImplementedError"  # still an error: nbgrader scores the cell 0
+    assert "Hint: `ring_all_reduce` is an exercise still to be filled in" in err["text"]
+
+
 class Kernel:
     """A kernel driven message by message, for interrupts and process checks."""
 
@@ -156,7 +164,8 @@ def test_interrupt_stops_every_rank_within_2s_and_the_kernel_stays_usable(kernel
     kernel.km.interrupt_kernel()
     reply = kernel.kc.get_shell_msg(timeout=10)
     assert time.monotonic() - t0 < 2
-    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "RankInterrupt"
+    assert "stopped ranks 0, 1 and restarted the cluster" in "".join(reply["content"]["traceback"])
     assert wait_gone(pids, timeout=2) == []
     out, content = kernel.execute("%%ranks\nrank")
     assert content["status"] == "ok" and out.splitlines() == ["[rank 0] 0", "[rank 1] 1"]
