@@ -187,10 +187,14 @@ def test_the_instructor_workflow_collect_autograde_feedback_export(tmp_path, cap
     assert by_student["ada"][-2:] == ["2.0", "2.0"] and by_student["bo"][-2:] == ["0.0", "2.0"]
 
 
-def test_a_learner_grades_their_own_notebook(tmp_path):
-    mine = tmp_path / "00_setup.ipynb"
-    shutil.copy(course.COURSE / "source/00_setup/00_setup.ipynb", mine)
-    done = subprocess.run([sys.executable, "grading/course.py", "selfgrade", str(mine)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+def test_a_learner_grades_their_own_notebook_after_the_first_exercise(tmp_path):
+    """The first hour: the student version of 01 with only ring_reduce_scatter written, self-graded."""
+    mine = nbformat.read(ROOT / "notebooks" / "01_collectives.ipynb", 4)
+    solution = grade_cells(nbformat.read(course.COURSE / "source/01_collectives/01_collectives.ipynb", 4))
+    grade_cells(mine)["ring_reduce_scatter"].source = solution["ring_reduce_scatter"].source
+    nbformat.write(mine, tmp_path / "01_collectives.ipynb")
+    done = subprocess.run([sys.executable, "grading/course.py", "selfgrade", str(tmp_path / "01_collectives.ipynb")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert re.search(r"ok\s+shard_range\s+2 / 2", done.stdout) and "total 2 / 2" in done.stdout, done.stdout
+    assert re.search(r"ok\s+ring_reduce_scatter\s+2 / 2", done.stdout), done.stdout
+    assert re.search(r"--\s+ring_all_gather\s+0 / 2", done.stdout) and "total 2 / 9" in done.stdout, done.stdout

@@ -49,6 +49,16 @@ def median_s(fn: Callable[[], object], **kwargs) -> float:
     return statistics.median(time_it(fn, **kwargs))
 
 
+def progress(iterable, **kwargs):
+    """A progress bar over `iterable`: tqdm's widget in Jupyter, its text bar in a terminal (or no bar
+    where tqdm is not installed: the core needs only torch)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, **kwargs)
+
+
 def algbw_gbps(size_bytes: int, time_s: float) -> float:
     return size_bytes / time_s / 1e9
 
