@@ -67,6 +67,12 @@ class CommCounter(TorchDispatchMode):
         self.forbid, self.allow, self.exercise = set(forbid), None if allow is None else set(allow), exercise
         self.calls: list[Call] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled; without this torch wraps the method in torch._disable_dynamo,
+        # whose first call imports torch._dynamo: about 2 s on every rank.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d" and func.__name__.split(".")[0] in _OPS:
             op = _OPS[func.__name__.split(".")[0]]
@@ -166,3 +172,77 @@ def assert_raises(exc_type: type[BaseException], fn: Callable, *args, **kwargs) 
     except exc_type:
         return
     raise AssertionError(f"{_where()}{call} should raise {exc_type.__name__}")
+
+
+def assert_trains_like_one_process(wrap: Callable, step: Callable, make_model: Callable, make_optimizer: Callable,
+                                   loss_fn: Callable, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                                   same_init: bool = False, rtol: float = 1e-5, atol: float = 1e-6):
+    """The ground truth of data parallelism: N ranks, each training on its share of every batch, end where
+    one process ends that trains the same model on the whole batches. Returns the wrapped model.
+
+    On this rank: `wrapped = wrap(make_model(seed))`, seed = the rank (the ranks start different, and the
+    wrapper must make them agree) or 0 with `same_init`, and `optimizer = make_optimizer(wrapped.parameters())`;
+    then, for each global batch `(inputs, targets)`, `step(wrapped, optimizer, my_inputs, my_targets)` on this
+    rank's equal share of the rows. The reference, `make_model(0)` in this process, takes one optimizer step
+    per whole batch on `loss_fn(outputs, targets)`. Every entry of `wrapped.state_dict()` must be close to
+    the reference's (parameters, frozen ones and buffers alike), within `rtol`/`atol`."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    wrapped = wrap(make_model(0 if same_init else rank))
+    optimizer = make_optimizer(wrapped.parameters())
+    reference = make_model(0)
+    reference_optimizer = make_optimizer(reference.parameters())
+    for inputs, targets in batches:
+        if len(inputs) % n:
+            raise ValueError(f"a batch of {len(inputs)} rows does not split evenly over {n} ranks")
+        mine = slice(rank * len(inputs) // n, (rank + 1) * len(inputs) // n)
+        step(wrapped, optimizer, inputs[mine], targets[mine])
+        reference_optimizer.zero_grad()
+        loss_fn(reference(inputs), targets).backward()
+        reference_optimizer.step()
+    actual, expected = wrapped.state_dict(), reference.state_dict()
+    if list(actual) != list(expected):
+        raise AssertionError(f"{_where()}state_dict() has the keys {list(actual)}, expected the wrapped model's "
+                             f"{list(expected)}")
+    for name, tensor in expected.items():
+        assert_close(actual[name], tensor, name=f"{name} after {len(batches)} steps", rtol=rtol, atol=atol)
+    return wrapped
+
+
+def collective_counts(comm: CommCounter) -> dict[str, int]:
+    """`comm.counts` with the forms of one collective merged (`all_gather_single` and `all_gather_coalesced`
+    count as `all_gather`), so a test accepts whichever form a learner called."""
+    merged: Counter = Counter()
+    for op, n in comm.counts.items():
+        merged[op.removesuffix("_single").removesuffix("_coalesced")] += n
+    return dict(merged)
+
+
+def assert_shards_close(parallel: torch.nn.Module, reference: torch.nn.Module, *, group=None,
+                        sum_replicated_grads: bool = False, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Each parameter of `parallel` is this rank's shard of `reference`'s parameter of the same name: the
+    whole of it where the shapes agree, else slice `rank` of `size` equal slices along the one dimension
+    where they differ (rank and size in `group`). Values must be equal; gradients close (rtol, atol).
+
+    With `sum_replicated_grads`, the gradients of whole (replicated) parameters are summed over `group`
+    first: under sequence parallelism each rank's copy saw only its own part of the sequence."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine, theirs = dict(parallel.named_parameters()), dict(reference.named_parameters())
+    if set(mine) != set(theirs):
+        raise AssertionError(f"{_where()}parameter names differ from the reference's: missing "
+                             f"{sorted(set(theirs) - set(mine))}, unexpected {sorted(set(mine) - set(theirs))}")
+    for name, p in mine.items():
+        ref = theirs[name]
+        split = [d for d in range(ref.dim()) if p.dim() == ref.dim() and p.shape[d] != ref.shape[d]]
+        if p.dim() != ref.dim() or len(split) > 1 or (split and ref.shape[split[0]] != size * p.shape[split[0]]):
+            raise AssertionError(f"{_where()}{name} has shape {tuple(p.shape)}: not the whole of the reference's "
+                                 f"{tuple(ref.shape)} nor 1/{size} of it along one dimension")
+        expected, expected_grad, grad = ref.detach(), ref.grad, p.grad
+        if split:
+            expected, expected_grad = expected.chunk(size, split[0])[rank], ref.grad.chunk(size, split[0])[rank]
+        elif sum_replicated_grads and grad is not None:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+        assert_equal(p.detach(), expected, name=name)
+        if grad is None:
+            raise AssertionError(f"{_where()}{name} has no gradient")
+        assert_close(grad, expected_grad, name=f"{name}.grad", rtol=rtol, atol=atol)

@@ -264,11 +264,11 @@ class Cluster:
             headline = f"rank {rank} {failure}."
             details = self._tail(rank, "err")
         else:
-            headline = f"rank {rank} raised {failure.message.splitlines()[-1]}"
+            headline = f"rank {rank} raised {failure.headline}"
             details = format_failure(failure, rank)
         for other, f in outcome.failures.items():
             if other != rank:
-                summary = f if isinstance(f, str) else f"raised {f.message.splitlines()[-1]}"
+                summary = f if isinstance(f, str) else f"raised {f.headline}"
                 details.append(_shorten(f"(rank {other} also {summary}", 150) + ")")
         if stacks:
             details += [f"Still running, now stopped: {_list(outcome.stuck)}. Where each was waiting:",
@@ -317,8 +317,8 @@ class Cluster:
                 elif kind == "failed":
                     if value.type_name == "ValueError":
                         raise ValueError(value.message.split(": ", 1)[-1])
-                    raise RankError(r.rank, f"rank {r.rank} could not join the group: "
-                                    f"{value.message.splitlines()[-1]}", format_failure(value, r.rank))
+                    raise RankError(r.rank, f"rank {r.rank} could not join the group: {value.headline}",
+                                    format_failure(value, r.rank))
                 else:
                     raise RankError(r.rank, f"rank {r.rank} {value} while starting.", self._tail(r.rank, "err"))
 

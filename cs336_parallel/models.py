@@ -8,7 +8,9 @@ slice of each weight from the reference.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,3 +83,80 @@ class MLPStack(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return x
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float | None) -> int:
+    """The most tokens one expert takes from a batch: ceil(capacity_factor x k x num_tokens / num_experts).
+
+    Switch Transformer's capacity (tokens / experts x capacity factor), times k for top-k routing as in
+    GShard. `capacity_factor=None` means no limit (`num_tokens`: no token is ever dropped)."""
+    if capacity_factor is None:
+        return num_tokens
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for no limit), got {capacity_factor}")
+    return math.ceil(capacity_factor * k * num_tokens / num_experts)
+
+
+class Routing(NamedTuple):
+    """Where `MoE.route` sends each of N tokens (shapes for E experts and top-k routing)."""
+
+    probs: Tensor  # (N, E) the router's softmax over experts
+    indices: Tensor  # (N, k) int64: the chosen experts, most probable first
+    weights: Tensor  # (N, k) their probabilities divided by their sum (each row sums to 1)
+    kept: Tensor  # (N, k) bool: False where the expert was full and dropped this token
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward layer (Shazeer et al. 2017; GShard; Switch Transformer), one device.
+
+    Forward, for each token x (the rows of a (..., D) input, in row-major order = token order):
+    the router scores the experts, `softmax(router(x))`; the token goes to its k most probable experts;
+    the output is sum_j w_j expert_j(x) over the chosen experts whose assignment was kept, with w the
+    chosen probabilities divided by their sum. Backward reaches the experts and, through w, the router
+    (with k = 1, w = 1 and the router learns only from an auxiliary loss).
+
+    Dropping: each expert takes at most `expert_capacity(N, E, k, capacity_factor)` tokens of a batch
+    of N, the first ones in token order (whichever of its k choices the expert was: a token's choices
+    never repeat an expert); the rest of its tokens are dropped *by that expert*. A dropped assignment
+    contributes zero (the weights of the token's other experts are not renormalized), so a token that
+    all its experts dropped comes out as zero and the residual connection around the layer carries it
+    through unchanged. Megatron-Core calls this drop policy "position".
+
+    Every expert runs, on no tokens if none reached it, so every parameter gets a gradient (zero if
+    unused). Experts are `MLP`s seeded `seed + 1 + e`; the router is `nn.Linear(dim, E, bias=False)`.
+    """
+
+    def __init__(self, dim: int, num_experts: int, *, k: int = 1, hidden: int | None = None,
+                 capacity_factor: float | None = None, bias: bool = True, seed: int = 0):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"k must be between 1 and num_experts ({num_experts}), got {k}")
+        expert_capacity(1, num_experts, k, capacity_factor)  # validates capacity_factor
+        self.num_experts, self.k, self.capacity_factor = num_experts, k, capacity_factor
+        with seeded(seed):
+            self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(dim, hidden, bias=bias, seed=seed + 1 + e) for e in range(num_experts))
+
+    def route(self, x: Tensor) -> Routing:
+        """Route the tokens of `x` (..., D): probabilities, top-k choices, weights, and which were kept."""
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        probs = F.softmax(self.router(flat), dim=-1)  # (N, E)
+        top, indices = probs.topk(self.k, dim=-1)  # (N, k), most probable first
+        weights = top / top.sum(dim=-1, keepdim=True)
+        # An assignment's position in its expert's queue: how many earlier (token, choice) pairs chose it.
+        chosen = F.one_hot(indices.reshape(-1), self.num_experts)  # (N k, E), token order then choice order
+        position = (chosen.cumsum(0) - 1).gather(1, indices.reshape(-1, 1)).view_as(indices)
+        capacity = expert_capacity(flat.shape[0], self.num_experts, self.k, self.capacity_factor)
+        return Routing(probs, indices, weights, position < capacity)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        routing = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, choice = torch.nonzero((routing.indices == e) & routing.kept, as_tuple=True)  # token order
+            y = expert(flat[token])  # (tokens kept by expert e, D)
+            out = out.index_add(0, token, routing.weights[token, choice, None] * y)
+        return out.view_as(x)

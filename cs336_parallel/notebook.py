@@ -33,7 +33,8 @@ def _without_magics(source: str) -> str:
 
 
 def definition_cells(path: str | Path) -> list[str]:
-    """The sources of the code cells that only define things (magics removed), in notebook order."""
+    """The sources of the code cells that only define things, and of every answer cell (nbgrader's
+    solution cells: they are definitions, even where they also compute a constant), magics removed."""
     cells = json.loads(Path(path).read_text())["cells"]
     sources = []
     for cell in cells:
@@ -44,7 +45,8 @@ def definition_cells(path: str | Path) -> list[str]:
             tree = ast.parse(source)
         except SyntaxError:
             continue
-        if tree.body and all(_is_definition(stmt) for stmt in tree.body):
+        answer = cell.get("metadata", {}).get("nbgrader", {}).get("solution", False)
+        if tree.body and (answer or all(_is_definition(stmt) for stmt in tree.body)):
             sources.append(source)
     return sources
 

@@ -55,6 +55,12 @@ class Failure:
     cause: Failure | None = None  # the exception this one was raised from, if any
     cause_text: str = ""
 
+    @property
+    def headline(self) -> str:
+        """`Type: first line of the message` (a SyntaxError's location lines come before it)."""
+        lines = self.message.splitlines() or [self.type_name]
+        return next((line for line in lines if line.split(":")[0].endswith(self.type_name)), lines[-1])
+
     @classmethod
     def from_exception(cls, exc: BaseException) -> Failure:
         frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "")

@@ -298,3 +298,13 @@ def test_session_clusters_are_shared_by_size_and_backend():
         assert session_cluster(2) is cpu
     assert checks.run(2, dist.get_backend) == ["gloo", "gloo"]
     cpu.shutdown()
+
+
+def test_a_multi_line_message_keeps_its_first_line_in_the_headline(cluster):
+    def explain():
+        raise ValueError("shard_range(10, 0, 0) should raise ValueError\nbecause world_size must be >= 1")
+
+    with pytest.raises(RankError) as info:
+        cluster.run(explain, ranks=[0])
+    assert info.value.headline == "rank 0 raised ValueError: shard_range(10, 0, 0) should raise ValueError"
+    assert "because world_size must be >= 1" in str(info.value)

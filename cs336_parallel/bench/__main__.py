@@ -8,6 +8,9 @@ import importlib
 TOPICS = {
     "launch": "starting ranks: cold start vs torch.multiprocessing.spawn, warm round trips",
     "collectives": "algbw/busbw of the collectives; a ring all-reduce against the library's",
+    "fsdp": "FSDP with prefetching against FSDP2 fully_shard on 2 CPU ranks: step time and peak memory per rank",
+    "pipeline": "1F1B on 4 CPU ranks: measured bubble fraction against the simulator's",
+    "ddp": "step time of naive, overlapped and bucketed DDP against torch's DistributedDataParallel; bucket sweep",
 }
 
 

@@ -1,0 +1,122 @@
+"""Pictures of training memory and of FSDP: per-rank memory of DDP and the ZeRO stages (computed and
+measured), and a measured timeline of FSDP's gathers against its compute."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from .collectives import RANK_COLORS
+
+STAGE_COLORS = ["#8C8C8C", RANK_COLORS[0], RANK_COLORS[2], RANK_COLORS[1]]  # DDP, ZeRO-1, ZeRO-2, ZeRO-3
+SPAN_COLORS = {"forward": RANK_COLORS[0], "backward": RANK_COLORS[1], "all_gather": RANK_COLORS[2],
+               "reduce_scatter": RANK_COLORS[3], "all_reduce": RANK_COLORS[4], "broadcast": RANK_COLORS[5],
+               "reduce": RANK_COLORS[6]}
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def zero_memory_bars(world_sizes: Sequence[int], computed: Mapping[str, Sequence[float]], *,
+                     measured: Mapping[str, Sequence[float]] | None = None,
+                     peaks: Mapping[str, Sequence[float]] | None = None, unit: str = "GB",
+                     limit_bytes: float | None = None, limit_label: str = "", title: str = "") -> Figure:
+    """Bytes per rank of each method (DDP, ZeRO-1, ...) at each world size, grouped by world size.
+
+    `computed[method][i]` is the formula's value at `world_sizes[i]`: a light bar. With `measured`, a
+    dark bar beside it (what the ranks held after a step) and, with `peaks`, a tick at the most they held
+    during the step. `limit_bytes` draws a horizontal line, e.g. a GPU's memory."""
+    scale = UNITS[unit]
+    methods = list(computed)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(world_sizes) + 3) + (2.5 if measured else 0), 4.2))
+    group = 0.8 / len(methods)
+    for m, method in enumerate(methods):
+        color = STAGE_COLORS[m % len(STAGE_COLORS)]
+        xs = [i - 0.4 + group * (m + 0.5) for i in range(len(world_sizes))]
+        width = group * (0.48 if measured else 0.9)
+        left = [x - width / 2 if measured else x for x in xs]
+        ax.bar(left, [v / scale for v in computed[method]], width=width, color=color, alpha=0.45 if measured else 1,
+               label=method if not measured else None)
+        if measured:
+            right = [x + width / 2 for x in xs]
+            ax.bar(right, [v / scale for v in measured[method]], width=width, color=color, label=method)
+            if peaks:
+                ax.scatter(right, [v / scale for v in peaks[method]], marker="_", s=220, color="black", zorder=3)
+    if limit_bytes:
+        ax.axhline(limit_bytes / scale, color="#C44E52", linestyle="--", linewidth=1)
+        ax.text(len(world_sizes) - 0.45, limit_bytes / scale, f" {limit_label}", color="#C44E52", va="bottom",
+                ha="right", fontsize=8)
+    ax.set_xticks(range(len(world_sizes)), [f"N = {n}" for n in world_sizes])
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel(f"memory per rank ({unit})")
+    handles, labels = ax.get_legend_handles_labels()
+    if measured:
+        handles += [Patch(color="#8C8C8C", alpha=0.45), Patch(color="#8C8C8C")]
+        labels += ["computed (light)", "measured after the step (dark)"]
+        if peaks:
+            handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=12))
+            labels.append("measured peak during the step")
+    if measured:  # beside the axes: the bars fill them
+        ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        ax.legend(handles, labels, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _rows(spans: Sequence[dict]) -> list[int]:
+    """A sub-row for each span so that spans in one sub-row do not overlap (greedy, in start order)."""
+    ends: list[float] = []
+    rows = []
+    for s in spans:
+        row = next((i for i, end in enumerate(ends) if end <= s["start_s"]), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = s["end_s"]
+        rows.append(row)
+    return rows
+
+
+def fsdp_timeline(traces: Mapping[str, Sequence[Sequence[dict]]], *, title: str = "") -> Figure:
+    """One measured step per variant: for each rank a compute lane (forward, backward: gaps are waits)
+    and a communication lane (each collective from issue to completion; overlapping ones stacked).
+
+    `traces[variant][rank]` is that rank's list of spans (`cs336_parallel.trace`): lane, name, start_s,
+    end_s, in seconds."""
+    variants = list(traces)
+    n_ranks = max(len(t) for t in traces.values())
+    fig, axes = plt.subplots(len(variants), 1, figsize=(11, 0.9 + 1.3 * n_ranks * len(variants)), sharex=True,
+                             squeeze=False)
+    for ax, variant in zip(axes[:, 0], variants, strict=True):
+        end_ms = 0.0
+        for rank, spans in enumerate(traces[variant]):
+            base = -2 * rank
+            for s in spans:
+                if s["lane"] == "compute":
+                    ax.barh(base, (s["end_s"] - s["start_s"]) * 1e3, left=s["start_s"] * 1e3, height=0.8,
+                            color=SPAN_COLORS.get(s["name"], "#8C8C8C"), linewidth=0)
+            comm = sorted((s for s in spans if s["lane"] == "comm"), key=lambda s: s["start_s"])
+            rows = _rows(comm)
+            height = 0.8 / max(1, max(rows, default=0) + 1)
+            for s, row in zip(comm, rows, strict=True):
+                ax.barh(base - 1.4 + (row + 0.5) * height, (s["end_s"] - s["start_s"]) * 1e3,
+                        left=s["start_s"] * 1e3, height=height * 0.9, color=SPAN_COLORS.get(s["name"], "#8C8C8C"),
+                        edgecolor="black", linewidth=0.3)
+            end_ms = max([end_ms] + [s["end_s"] * 1e3 for s in spans])
+        ticks = [t for r in range(n_ranks) for t in (-2 * r, -2 * r - 1)]
+        ax.set_yticks(ticks, [lab for r in range(n_ranks) for lab in (f"rank {r} compute", f"rank {r} comm")],
+                      fontsize=8)
+        ax.set_ylim(-2 * n_ranks + 0.4, 0.6)
+        ax.set_title(f"{variant}: forward + backward in {end_ms:.0f} ms", fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the step began (ms)")
+    used = {s["name"] for t in traces.values() for spans in t for s in spans}
+    handles = [Patch(color=c, label=k.replace("_", "-")) for k, c in SPAN_COLORS.items() if k in used]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    return fig

@@ -1,0 +1,131 @@
+"""Data parallelism's helpers: the trace recorder with marked spans, the DDP benchmark's timing loop, its pictures, the
+checks helper that compares data-parallel training with one process, and the master notebook's DDPs."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import matplotlib
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cs336_parallel import Cluster, RankError, checks, models, trace
+from cs336_parallel.bench import ddp as ddp_bench
+from cs336_parallel.notebook import load_definitions
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(2, backend="gloo", timeout=60) as c:
+        yield c
+
+
+def record_async_and_sync() -> list[dict]:
+    x = torch.ones(2**20)
+    for _ in range(2):  # the first time under a dispatch mode imports more of torch: keep the second
+        dist.barrier()
+        with trace.record(auto_compute=False) as tr:
+            with tr.compute("launch"):
+                work = dist.all_reduce(x, async_op=True)  # 4 MB: still running when the launch returns
+            with tr.compute("sleep"):
+                time.sleep(0.05)
+            work.wait()
+            dist.broadcast(torch.ones(3), src=0)
+        dist.all_reduce(torch.ones(1))  # outside the block: not recorded
+    return tr.as_dicts()
+
+
+def test_timeline_records_compute_spans_and_each_collective_from_launch_to_completion(cluster):
+    for spans in cluster.run(record_async_and_sync):
+        assert [(s["lane"], s["name"]) for s in spans] == [
+            ("compute", "launch"), ("comm", "all_reduce"), ("compute", "sleep"), ("comm", "broadcast")]
+        launch, all_reduce, sleep, broadcast = spans
+        assert all(0 <= s["start_s"] <= s["end_s"] < 5 for s in spans)
+        assert all_reduce["nbytes"] == 4 * 2**20 and broadcast["nbytes"] == 12
+        assert launch["start_s"] <= all_reduce["start_s"] <= launch["end_s"]  # launched inside "launch"
+        assert all_reduce["end_s"] < sleep["end_s"] + 0.5  # completion time, not the time of wait()
+        assert broadcast["start_s"] >= sleep["end_s"]
+
+
+def tiny_step_times() -> dict:
+    makers = {"identity": lambda m: m,
+              "ddp": lambda m: torch.nn.parallel.DistributedDataParallel(m)}
+    return ddp_bench.step_times(makers, dim=16, depth=2, batch=4, iters=3, warmup=1)
+
+
+def test_model_size_counts_the_parameters_of_mlpstack():
+    assert ddp_bench.model_size(24, 3) == sum(p.numel() for p in models.MLPStack(24, 3).parameters())
+
+
+def test_step_times_times_every_variant_and_the_bare_model(cluster):
+    for times in cluster.run(tiny_step_times):
+        assert set(times) == {"identity", "ddp", "compute"}
+        assert all(0 < t < 5 for t in times.values())
+
+
+def ddp_with_sync(DDP, **options):
+    """One step on different data per rank, ranks starting from different weights."""
+    rank = dist.get_rank()
+    ddp = DDP(models.MLPStack(8, depth=2, hidden=16, seed=rank), **options)
+    with checks.count_collectives() as comm:
+        ddp(checks.random_tensor((4, 8), seed=rank)).square().mean().backward()
+        in_backward = comm.counts["all_reduce"]
+        ddp.finish_gradient_synchronization()
+    grads = torch.cat([p.grad.flatten() for p in ddp.module.parameters()])
+    everyone = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, grads)
+    return in_backward, all(torch.equal(g, grads) for g in everyone)
+
+
+def test_the_master_solutions_launch_in_backward_and_leave_equal_gradients(cluster):
+    ns = load_definitions(ddp_bench.MASTER, ["NaiveDDP", "DDPOverlap", "DDPBucketed"])
+    assert cluster.run(ddp_with_sync, ns["NaiveDDP"]) == [(0, True)] * 2
+    assert cluster.run(ddp_with_sync, ns["DDPOverlap"]) == [(8, True)] * 2
+    assert cluster.run(ddp_with_sync, ns["DDPBucketed"], bucket_size_mb=1e-3) == [(2, True)] * 2
+
+
+def train_ddp(DDP, accumulate: int, set_to_none: bool = True, **options):
+    def step(ddp, optimizer, inputs, targets):
+        optimizer.zero_grad(set_to_none=set_to_none)  # False: gradients accumulate into the buckets' views
+        for i, (x, y) in enumerate(zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True)):
+            with ddp.no_sync() if i < accumulate - 1 else contextlib.nullcontext():
+                (F.mse_loss(ddp(x), y) / accumulate).backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+
+    batches = [(checks.random_tensor((8, 8), seed=s), checks.random_tensor((8, 8), seed=9 + s)) for s in range(3)]
+    checks.assert_trains_like_one_process(lambda m: DDP(m, **options), step,
+                                          lambda seed: models.MLPStack(8, depth=2, hidden=16, seed=seed),
+                                          lambda ps: torch.optim.AdamW(ps, lr=1e-2), F.mse_loss, batches)
+
+
+def test_assert_trains_like_one_process_accepts_a_right_ddp_and_names_what_a_wrong_one_breaks(cluster):
+    ns = load_definitions(ddp_bench.MASTER, ["NaiveDDP", "DDPOverlap", "DDPBucketed"])
+    for set_to_none in (True, False):
+        cluster.run(train_ddp, ns["DDPBucketed"], 2, set_to_none, bucket_size_mb=1e-3)
+        cluster.run(train_ddp, ns["DDPOverlap"], 4, set_to_none)
+    with pytest.raises(RankError, match=r"after 3 steps differs"):
+        cluster.run(train_ddp, ns["NaiveDDP"], 1)  # no broadcast: the ranks start from different weights
+
+
+def test_pictures_have_labelled_axes():
+    from cs336_parallel import viz
+
+    span = {"lane": "compute", "name": "forward", "start_s": 0.0, "end_s": 0.01, "nbytes": 0}
+    comm = {"lane": "comm", "name": "all_reduce", "start_s": 0.005, "end_s": 0.02, "nbytes": 64}
+    late = {**comm, "start_s": 0.006, "end_s": 0.015}  # completes before the previous one: hidden under it
+    fig = viz.ddp_timeline({"naive": [[span, comm, late]] * 2, "bucketed": [[span]] * 2}, title="t")
+    assert fig.axes[-1].get_xlabel() == "time since the step began (ms)"
+    assert "2 all-reduces" in fig.axes[0].get_title(loc="left")
+    fig = viz.ddp_step_times([{"name": "naive", "step_s": 0.02, "compute_s": 0.01}])
+    assert fig.axes[0].get_xlabel().startswith("time per step (ms")
+    fig = viz.bucket_sweep([{"name": "bucketed", "bucket_mb": mb, "step_s": 0.01 * mb} for mb in (1, 4)],
+                           compute_s=0.005)
+    assert fig.axes[0].get_xlabel().startswith("bucket size (MB") and fig.axes[0].get_ylabel()
+    assert math.isclose(fig.axes[0].get_lines()[0].get_ydata()[1], 40.0)
