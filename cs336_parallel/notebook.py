@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
+import types
+import uuid
 from pathlib import Path
+
+import cloudpickle
 
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -54,12 +59,16 @@ def definition_cells(path: str | Path) -> list[str]:
 def load_definitions(path: str | Path, names: list[str] | None = None) -> dict:
     """Execute a notebook's definition cells; return the namespace (checked to hold `names`).
 
-    The namespace is not an importable module, so cloudpickle ships its functions to ranks by value."""
+    The cells run in a module of their own (dataclasses need one), which cloudpickle ships to ranks
+    by value: ranks cannot import it."""
     path = Path(path)
-    namespace: dict = {"__name__": f"notebook:{path.stem}"}
+    module = types.ModuleType(f"notebook_{path.stem}_{uuid.uuid4().hex[:8]}")
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
     for i, source in enumerate(definition_cells(path)):
-        exec(compile(source, f"{path.name} (definition cell {i + 1})", "exec"), namespace)
-    missing = [n for n in names or [] if n not in namespace]
+        code = compile(source, f"{path.name} (definition cell {i + 1})", "exec", dont_inherit=True)
+        exec(code, module.__dict__)
+    missing = [n for n in names or [] if n not in module.__dict__]
     if missing:
         raise LookupError(f"{path} defines no {', '.join(missing)} (looked in cells that only define things)")
-    return namespace
+    return module.__dict__

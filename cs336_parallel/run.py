@@ -45,8 +45,9 @@ def _worker(target: str) -> None:
     dist.init_process_group("nccl" if use_nccl else "gloo")
     try:
         result = load_target(target)()
-        if result is not None:
-            print(f"[rank {dist.get_rank()}] {result!r}", flush=True)
+        if result is not None:  # one write per line: ranks share the terminal
+            sys.stdout.write(f"[rank {dist.get_rank()}] {result!r}\n")
+            sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     if not any(a.startswith(("--rdzv", "--standalone", "--master")) for a in torchrun_args):
         torchrun_args.append("--standalone")  # one machine: torchrun picks a free port
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, set here so it needs no warning
+    # Restarted workers (--max-restarts) must not join the process group through the rendezvous store,
+    # which still holds the dead workers' addresses: they can hang in gloo's connectFullMesh.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.run import main as torchrun
 
     torchrun([*torchrun_args, "-m", "cs336_parallel.run", "--worker", target])

@@ -180,3 +180,33 @@ def test_interrupting_a_hung_cell_stops_the_ranks_and_the_next_cell_runs(lab, op
     page.keyboard.press("Shift+Enter")
     page.wait_for_function("() => document.body.innerText.includes('[rank 1] alive 1')", timeout=60_000)
     assert "[rank 0] alive 0" in outputs(page)
+
+
+def test_moving_a_slider_redraws_the_pipeline_explorer(lab, open_notebook):
+    _, served = lab
+    cells = ["from cs336_parallel.notebook import load_definitions\n"
+             "from cs336_parallel.widgets import ScheduleExplorer\n"
+             "solved = load_definitions('05_pipeline_schedules_solved.ipynb')",
+             "ScheduleExplorer({'1F1B': solved['one_f_one_b_schedule'], 'GPipe': solved['gpipe_schedule']})"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "cs336-parallel", "display_name": "Python 3 (cs336-parallel)",
+                                 "language": "python"}
+    nbformat.write(nb, served / "explorer.ipynb")
+    page = open_notebook("explorer.ipynb")
+    run_all(page)
+    picture = page.locator(f"{NOTEBOOK} .jupyter-widgets img").first
+    picture.wait_for(timeout=60_000)
+    summary = page.locator(f"{NOTEBOOK} .widget-html").first
+    before_picture, before_summary = picture.get_attribute("src"), summary.inner_text()
+    assert "bubble" in before_summary
+    handle = page.locator(f"{NOTEBOOK} .widget-slider").nth(1).locator(".noUi-handle")  # micro-batches m
+    handle.focus()
+    for _ in range(4):
+        page.keyboard.press("ArrowRight")
+    page.wait_for_function("([sel, old]) => document.querySelector(sel)?.innerText !== old",
+                           arg=[".jp-NotebookPanel:not(.lm-mod-hidden) .widget-html", before_summary],
+                           timeout=30_000)
+    page.wait_for_function("([sel, old]) => document.querySelector(sel)?.getAttribute('src') !== old",
+                           arg=[".jp-NotebookPanel:not(.lm-mod-hidden) .jupyter-widgets img", before_picture],
+                           timeout=30_000)
+    assert summary.inner_text() != before_summary  # the bubble fraction follows m

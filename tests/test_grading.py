@@ -19,6 +19,7 @@ from conftest import ROOT
 from grading import course
 
 ASSIGNMENTS = course.assignments()
+pytestmark = pytest.mark.timeout(900)  # a module fixture autogrades a notebook three or four times
 EDITED_IN = ASSIGNMENTS[0]  # editing a test cell is checked once: it is nbgrader's mechanism, not a notebook's
 
 

@@ -15,6 +15,8 @@ def notebook(tmp_path):
     cells = [
         nbformat.v4.new_code_cell("import math\n%load_ext cs336_parallel\n%cluster start -n 4"),
         nbformat.v4.new_code_cell("def area(r):\n    return math.pi * r**2"),
+        nbformat.v4.new_code_cell("from __future__ import annotations\nfrom dataclasses import dataclass\n\n\n"
+                                  "@dataclass\nclass Shard:\n    start: int\n    stop: int"),
         nbformat.v4.new_code_cell("print('a demonstration')\nraise RuntimeError('must not run')"),
         nbformat.v4.new_code_cell("%%ranks\nraise RuntimeError('must not run either')"),
         answer,
@@ -38,3 +40,12 @@ def test_run_targets_a_notebook_function(notebook):
     assert load_target(f"{notebook}:scaled")(1) == 3.0
     with pytest.raises(ValueError, match="path.py:function"):
         load_target("no-colon")
+
+
+def test_a_notebook_dataclass_works_and_travels_to_ranks(notebook):
+    from cs336_parallel import checks
+
+    ns = load_definitions(notebook, ["Shard", "area"])
+    assert ns["Shard"](1, 2).stop == 2
+    assert checks.run(2, lambda shard, area: (shard.start, round(area(1), 2)), ns["Shard"](3, 4), ns["area"]) == [
+        (3, 3.14), (3, 3.14)]
