@@ -25,23 +25,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cluster import session_cluster
+from .trace import C10D_OPS, collective_name, largest_tensor_bytes
 
 TEST_TIMEOUT_S = 30.0  # a deadlocked exercise fails its test after this long, not the notebook's cell limit
 
-# c10d operator -> the torch.distributed function a learner calls, and which tensor argument is the
-# message size S in the nccl-tests convention (the whole buffer: the gathered output, the scattered input).
-_OPS = {
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced",
-    "broadcast_": "broadcast", "reduce_": "reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather_single",
-    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_coalesced",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_single",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter_coalesced",
-    "gather_": "gather", "scatter_": "scatter",
-    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
-    "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
-}
 POINT_TO_POINT = frozenset({"send", "recv"})  # isend, irecv and batch_isend_irecv call these too
 
 
@@ -74,15 +61,15 @@ class CommCounter(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.split(".")[0] in _OPS:
-            op = _OPS[func.__name__.split(".")[0]]
+        if func.namespace == "c10d" and func.__name__.split(".")[0] in C10D_OPS:
+            op = C10D_OPS[func.__name__.split(".")[0]]
             if op in self.forbid or (self.allow is not None and op not in self.allow):
                 allowed = ("; it may use only send, recv, isend, irecv and batch_isend_irecv"
                            if self.allow == POINT_TO_POINT else f"; it may use only {', '.join(sorted(self.allow))}"
                            if self.allow is not None else "")
                 raise ForbiddenCallError(f"{self.exercise or 'this code'} called dist.{op}{allowed}.")
             peer = args[2] if op in POINT_TO_POINT and len(args) > 2 and isinstance(args[2], int) else None
-            self.calls.append(Call(op, _largest_tensor_bytes(args), peer))
+            self.calls.append(Call(op, largest_tensor_bytes(args), peer))
         return func(*args, **(kwargs or {}))
 
     @property
@@ -93,17 +80,6 @@ class CommCounter(TorchDispatchMode):
     def bytes_sent(self) -> int:
         """Bytes this rank sent with send/isend (what a ring algorithm's cost model counts)."""
         return sum(c.nbytes for c in self.calls if c.op == "send")
-
-
-def _largest_tensor_bytes(args) -> int:
-    sizes = [0]
-    for a in args:
-        for t in a if isinstance(a, (list, tuple)) else [a]:
-            if isinstance(t, list):
-                sizes += [x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor)]
-            elif isinstance(t, torch.Tensor):
-                sizes.append(t.numel() * t.element_size())
-    return max(sizes)
 
 
 def count_collectives() -> CommCounter:
@@ -213,7 +189,7 @@ def collective_counts(comm: CommCounter) -> dict[str, int]:
     count as `all_gather`), so a test accepts whichever form a learner called."""
     merged: Counter = Counter()
     for op, n in comm.counts.items():
-        merged[op.removesuffix("_single").removesuffix("_coalesced")] += n
+        merged[collective_name(op)] += n
     return dict(merged)
 
 

@@ -28,18 +28,38 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Span", "Trace", "record"]
+__all__ = ["C10D_OPS", "Span", "Trace", "collective_name", "largest_tensor_bytes", "record"]
 
-# c10d operator -> the collective's name
-_COLLECTIVES = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "broadcast_": "broadcast", "reduce_": "reduce", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-    "send": "send", "recv_": "recv", "gather_": "gather", "scatter_": "scatter", "barrier": "barrier",
+# c10d operator -> the torch.distributed function that issues it (checks.py counts and forbids by these).
+C10D_OPS = {
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced",
+    "broadcast_": "broadcast", "reduce_": "reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather_single",
+    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_coalesced",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_coalesced",
+    "gather_": "gather", "scatter_": "scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
+    "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
 }
+
+
+def collective_name(op: str) -> str:
+    """The collective behind a function name: `all_gather_single` and `all_gather_coalesced` are `all_gather`."""
+    return op.removesuffix("_single").removesuffix("_coalesced")
+
+
+def largest_tensor_bytes(args) -> int:
+    """A call's message size S in the nccl-tests convention: its largest tensor (the whole buffer, i.e. the
+    gathered output or the scattered input)."""
+    sizes = [0]
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            for x in t if isinstance(t, list) else [t]:
+                if isinstance(x, torch.Tensor):
+                    sizes.append(x.numel() * x.element_size())
+    return max(sizes)
 
 
 @dataclass
@@ -58,16 +78,6 @@ def _is_async(func, args: tuple, kwargs: dict | None) -> bool:
         return True
     i = names.index("async_op")
     return bool(args[i]) if i < len(args) else bool((kwargs or {}).get("async_op", True))
-
-
-def _largest_tensor_bytes(args) -> int:
-    sizes = [0]
-    for a in args:
-        for t in a if isinstance(a, (list, tuple)) else [a]:
-            for x in t if isinstance(t, list) else [t]:
-                if isinstance(x, torch.Tensor):
-                    sizes.append(x.numel() * x.element_size())
-    return max(sizes)
 
 
 class Trace(TorchDispatchMode):
@@ -128,8 +138,8 @@ class Trace(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         end = self._now()
         op = func.__name__.split(".")[0]
-        if func.namespace == "c10d" and op in _COLLECTIVES:
-            span = Span("comm", _COLLECTIVES[op], start, end, _largest_tensor_bytes(args))
+        if func.namespace == "c10d" and op in C10D_OPS:
+            span = Span("comm", collective_name(C10D_OPS[op]), start, end, largest_tensor_bytes(args))
             self.spans.append(span)
             self._watch(span, out[-1] if isinstance(out, (tuple, list)) else out, _is_async(func, args, kwargs))
         elif self.auto_compute:

@@ -41,7 +41,28 @@ def _takes_chunks(generator: Callable) -> bool:
         return False
 
 
-class ScheduleExplorer(w.VBox):
+class _Explorer(w.VBox):
+    """Controls in two columns, a one-line summary and a picture, redrawn whenever a control changes.
+    Subclasses set their state, then call this `__init__`; `_update` reads `values()` and redraws."""
+
+    def __init__(self, controls: dict[str, w.Widget], left: list[str]):
+        self.controls = controls
+        self.summary = w.HTML()
+        self.picture = w.Image(format="png")
+        columns = [w.VBox([controls[k] for k in left]), w.VBox([c for k, c in controls.items() if k not in left])]
+        super().__init__([w.HBox(columns), self.summary, self.picture])
+        for control in controls.values():
+            control.observe(self._update, names="value")
+        self._update()
+
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def _update(self, _change=None) -> None:
+        raise NotImplementedError
+
+
+class ScheduleExplorer(_Explorer):
     """Sliders and a picture: the schedule chosen, simulated with the costs chosen (t_f = 1)."""
 
     def __init__(self, generators: dict[str, Callable], *, num_stages: int = 4, num_microbatches: int = 8,
@@ -52,7 +73,7 @@ class ScheduleExplorer(w.VBox):
         self.timeline: Timeline | None = None
         self.error: str | None = None
         style = {"description_width": "110px"}
-        self.controls = {
+        controls = {
             "schedule": w.Dropdown(options=list(self.generators), description="schedule", style=style),
             "p": w.IntSlider(num_stages, min=1, max=max_stages, description="stages p", style=style),
             "m": w.IntSlider(num_microbatches, min=1, max=max_microbatches, description="micro-batches m",
@@ -62,17 +83,7 @@ class ScheduleExplorer(w.VBox):
             "t_w": w.FloatSlider(1.0, min=0.0, max=3.0, step=0.25, description="t_W / t_F", style=style),
             "t_comm": w.FloatSlider(0.0, min=0.0, max=1.0, step=0.05, description="t_comm / t_F", style=style),
         }
-        self.summary = w.HTML()
-        self.picture = w.Image(format="png")
-        left = w.VBox([self.controls[k] for k in ("schedule", "p", "m", "v")])
-        right = w.VBox([self.controls[k] for k in ("t_b", "t_w", "t_comm")])
-        super().__init__([w.HBox([left, right]), self.summary, self.picture])
-        for control in self.controls.values():
-            control.observe(self._update, names="value")
-        self._update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
+        super().__init__(controls, left=["schedule", "p", "m", "v"])
 
     def _update(self, _change=None) -> None:
         c = self.values()
@@ -109,7 +120,7 @@ def schedule_explorer(generators: dict[str, Callable], **kwargs) -> ScheduleExpl
 # -- notebook 07: choosing a parallel layout ------------------------------------------------------------
 
 
-class LayoutExplorer(w.VBox):
+class LayoutExplorer(_Explorer):
     """Pick a model, a cluster and a layout (tp, pp, cp, ep, ZeRO stage, micro-batches, recomputation);
     dp is what is left of the GPUs. Shows the plan's memory per GPU and step time, or why the layout is
     invalid. The package ships no planner: pass yours, `plan(model, cluster, layout) -> Plan`, and the
@@ -134,7 +145,7 @@ class LayoutExplorer(w.VBox):
                               description=description, style=style)
 
         powers = [1, 2, 4, 8, 16, 32, 64]
-        self.controls = {
+        controls = {
             "model": w.Dropdown(options=list(self.models), description="model", style=style),
             "cluster": w.Dropdown(options=list(self.clusters), description="cluster", style=style),
             "tp": choice("tp", powers[:6], "tensor tp"),
@@ -148,18 +159,7 @@ class LayoutExplorer(w.VBox):
             "virtual_stages": choice("virtual_stages", [1, 2, 4, 8], "chunks per stage v"),
             "recompute": choice("recompute", ["none", "selective", "full"], "recompute"),
         }
-        self.summary = w.HTML()
-        self.picture = w.Image(format="png")
-        names = list(self.controls)
-        left = w.VBox([self.controls[k] for k in names[:6]])
-        right = w.VBox([self.controls[k] for k in names[6:]])
-        super().__init__([w.HBox([left, right]), self.summary, self.picture])
-        for control in self.controls.values():
-            control.observe(self._update, names="value")
-        self._update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
+        super().__init__(controls, left=list(controls)[:6])
 
     def _update(self, _change=None) -> None:
         c = self.values()

@@ -99,6 +99,14 @@ def open_notebook(lab, browser, request):
         page.close()
 
 
+def write_notebook(path, cells: list[str]) -> None:
+    """A notebook of code cells on the course's kernel."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "cs336-parallel", "display_name": "Python 3 (cs336-parallel)",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
 def start_run_all(page) -> None:
     """Run > Run All Cells; returns once the first cell has run."""
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").click()
@@ -163,10 +171,7 @@ def test_interrupting_a_hung_cell_stops_the_ranks_and_the_next_cell_runs(lab, op
     cells = ["%load_ext cs336_parallel\n%cluster start -n 2",
              "%%ranks --timeout 600\nif rank == 0:\n    dist.barrier()  # rank 1 never comes\nwhile True:\n    pass",
              "%%ranks\nprint('alive', rank)"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "cs336-parallel", "display_name": "Python 3 (cs336-parallel)",
-                                 "language": "python"}
-    nbformat.write(nb, served / "hang.ipynb")
+    write_notebook(served / "hang.ipynb", cells)
     page = open_notebook("hang.ipynb")
     start_run_all(page)
     time.sleep(2)  # the second cell is now stuck on the ranks
@@ -188,10 +193,7 @@ def test_moving_a_slider_redraws_the_pipeline_explorer(lab, open_notebook):
              "from cs336_parallel.widgets import ScheduleExplorer\n"
              "solved = load_definitions('05_pipeline_schedules_solved.ipynb')",
              "ScheduleExplorer({'1F1B': solved['one_f_one_b_schedule'], 'GPipe': solved['gpipe_schedule']})"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "cs336-parallel", "display_name": "Python 3 (cs336-parallel)",
-                                 "language": "python"}
-    nbformat.write(nb, served / "explorer.ipynb")
+    write_notebook(served / "explorer.ipynb", cells)
     page = open_notebook("explorer.ipynb")
     run_all(page)
     picture = page.locator(f"{NOTEBOOK} .jupyter-widgets img").first
