@@ -222,3 +222,13 @@ def assert_shards_close(parallel: torch.nn.Module, reference: torch.nn.Module, *
         if grad is None:
             raise AssertionError(f"{_where()}{name} has no gradient")
         assert_close(grad, expected_grad, name=f"{name}.grad", rtol=rtol, atol=atol)
+
+
+def in_groups_of(size: int, check: Callable, *args, **kwargs):
+    """Run `check(*args, group=g, **kwargs)` where g is this rank's group of `size` consecutive ranks: a test
+    that a function honours its `group` argument instead of using the whole world."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n % size:
+        raise ValueError(f"{n} ranks do not split into groups of {size}")
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]  # all ranks make all
+    return check(*args, **kwargs, group=groups[rank // size])
