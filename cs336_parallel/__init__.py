@@ -4,16 +4,27 @@
 `%load_ext cs336_parallel` adds the `%cluster` and `%%ranks` magics.
 """
 
-from .cluster import Cluster, device, session_cluster
-from .errors import RankError, RankInterrupt, RankTimeout
+import importlib
 
-__all__ = ["Cluster", "RankError", "RankInterrupt", "RankTimeout", "device", "load_ipython_extension",
-           "session_cluster"]
+# Names are imported on first use, so `%load_ext` can start the rank server before torch is imported.
+_EXPORTS = {"Cluster": "cluster", "device": "cluster", "session_cluster": "cluster",
+            "RankError": "errors", "RankInterrupt": "errors", "RankTimeout": "errors"}
+
+__all__ = [*_EXPORTS, "load_ipython_extension"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext cs336_parallel`: register `%cluster` and `%%ranks`, and name the exercise behind an
     unfilled `raise NotImplementedError()`."""
+    from .rank_server import warm_up
+
+    warm_up()  # the server imports torch on another core while this kernel does below
     from .magics import ClusterMagics, explain_unfilled_exercise
 
     ipython.register_magics(ClusterMagics)

@@ -171,6 +171,29 @@ def test_interrupt_stops_every_rank_within_2s_and_the_kernel_stays_usable(kernel
     assert content["status"] == "ok" and out.splitlines() == ["[rank 0] 0", "[rank 1] 1"]
 
 
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, with their command lines."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_loading_the_extension_starts_the_rank_server_that_later_forks_the_ranks(kernel):
+    """The server imports torch while the kernel does, so `%cluster start` only forks."""
+    kernel.execute("%load_ext cs336_parallel")
+    servers = [pid for pid, cmd in children(kernel.km.provisioner.process.pid).items() if "forkserver" in cmd]
+    assert len(servers) == 1
+    assert kernel.start_cluster(2)[-1] == servers[0]
+
+
 @pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
 def test_no_process_outlives_the_kernel(kernel, how):
     pids = kernel.start_cluster(2)
