@@ -34,6 +34,7 @@ from .worker import Failure
 
 GRACE_S = 1.0  # after one rank fails, how long the others get to finish before they are stopped
 START_TIMEOUT_S = 120.0
+WAKE_S = 0.1  # waits wake this often: a Ctrl-C the OS hands to another thread only runs when the main one does
 PG_TIMEOUT_S = 1800.0  # gloo/NCCL's own limit; the cluster's timeout normally fires long before
 BACKENDS = ("auto", "gloo", "nccl")
 CLUSTER_TIMEOUT = object()  # "use the cluster's own timeout" (None means no limit)
@@ -206,9 +207,8 @@ class Cluster:
         try:
             while running:
                 ends = [t for t in (deadline, grace_end) if t is not None]
-                wait_s = max(0.0, min(ends) - time.monotonic()) if ends else None
                 handles = {h: r for r in running.values() for h in (r.conn, r.process.sentinel)}
-                ready = multiprocessing.connection.wait(list(handles), wait_s)
+                ready = _wait(list(handles), min(ends) if ends else None)
                 if not ready:
                     break
                 for handle in ready:
@@ -301,7 +301,7 @@ class Cluster:
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
             handles = {h: r for r in waiting for h in (r.conn, r.process.sentinel)}
-            ready = multiprocessing.connection.wait(list(handles), max(0.0, deadline - time.monotonic()))
+            ready = _wait(list(handles), deadline)
             if not ready:
                 raise RankError(waiting[0].rank, f"{_list([r.rank for r in waiting])} did not start "
                                 f"within {START_TIMEOUT_S:g} s.", [])
@@ -420,6 +420,16 @@ def _shorten(text: str, width: int) -> str:
 def _list(ranks: list[int]) -> str:
     """`rank 2` or `ranks 0, 1, 3`."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _wait(handles: list, deadline: float | None) -> list:
+    """`multiprocessing.connection.wait` until `deadline` (monotonic time; None: forever), waking every
+    WAKE_S so that a pending KeyboardInterrupt is raised however the OS delivered the signal."""
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait(handles, WAKE_S if left is None else min(WAKE_S, left))
+        if ready or (left is not None and left <= WAKE_S):
+            return ready
 
 
 def _start_without_main(process) -> None:

@@ -14,6 +14,7 @@ import faulthandler
 import importlib
 import io
 import linecache
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -75,7 +76,16 @@ class Failure:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the forkserver) exits."""
+    """Ask Linux to SIGKILL this process when its parent (the forkserver) exits.
+
+    The forkserver exits when every holder of its "alive" pipe has closed it; multiprocessing gives
+    each child a copy, so a rank busy in user code would keep the server, and so itself, alive after
+    the kernel died. Closing the copy here ties the server's life, and the ranks', to the kernel's.
+    """
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

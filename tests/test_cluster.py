@@ -234,13 +234,36 @@ def test_interrupt_stops_every_rank_within_2s_and_the_next_call_works(python_scr
     assert "stopped ranks 0, 1 and restarted the cluster" in out and "dist.barrier()" in rest
 
 
-def test_no_rank_outlives_a_killed_parent(python_script):
+def test_an_interrupt_the_os_hands_to_another_thread_still_stops_the_call(python_script):
+    """Linux may deliver a process's Ctrl-C to any of its threads (the store's, ZMQ's in a kernel)."""
     script = python_script("""
+        import signal, threading, time
+        from cs336_parallel import Cluster
+        c = Cluster(2, timeout=None)
+        c.run(int)
+        def interrupt_from_here():
+            time.sleep(0.5)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        threading.Thread(target=interrupt_from_here).start()
+        try:
+            c.run(time.sleep, 3600)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """)
+    try:
+        assert script.wait(timeout=20) == 0 and "interrupted" in script.stdout.read()
+    finally:
+        script.kill()
+
+
+@pytest.mark.parametrize("ranks_are", ["idle", "busy"])
+def test_no_rank_outlives_a_killed_parent(python_script, ranks_are):
+    script = python_script(f"""
         import os, time
         from cs336_parallel import Cluster
-        c = Cluster(3)
+        c = Cluster(3, timeout=None)
         print(*c.run(lambda: (os.getpid(), os.getppid()))[0], *c.run(os.getpid), flush=True)
-        time.sleep(60)
+        c.run(time.sleep, 60) if "{ranks_are}" == "busy" else time.sleep(60)
     """)
     forkserver, *ranks = [int(p) for p in script.stdout.readline().split()[1:]]
     assert len(ranks) == 3 and all(pid_alive(p) for p in ranks + [forkserver])

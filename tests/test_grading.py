@@ -36,7 +36,7 @@ def grade_cells(nb) -> dict[str, nbformat.NotebookNode]:
     return {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells if "nbgrader" in c.metadata}
 
 
-def test_cells(nb) -> dict[str, nbformat.NotebookNode]:
+def graded_cells(nb) -> dict[str, nbformat.NotebookNode]:
     """The autograded test cells (nbgrader's `grade` flag), by grade_id."""
     return {grade_id: c for grade_id, c in grade_cells(nb).items() if c.metadata["nbgrader"].get("grade")}
 
@@ -99,7 +99,7 @@ def _submissions(root: Path, name: str) -> dict[str, nbformat.NotebookNode]:
     submissions = {"solution": solution, "blank": blank, "wrong": wrong}
     if name == EDITED_IN:
         edited = nbformat.read(root / "release" / name / f"{name}.ipynb", 4)
-        for grade_id, cell in test_cells(edited).items():
+        for grade_id, cell in graded_cells(edited).items():
             cell.source = f"print('{grade_id}: ok')  # a learner's edit: the test no longer tests"
         submissions["edited"] = edited
     return submissions
@@ -125,14 +125,14 @@ def graded(released) -> Graded:
 
 def test_the_solution_scores_full_marks_with_no_stderr_and_no_timeout(graded):
     assert graded.scores["solution"] and all(s == m for s, m in graded.scores["solution"].values()), graded.scores
-    for grade_id, cell in test_cells(graded.notebooks["solution"]).items():
+    for grade_id, cell in graded_cells(graded.notebooks["solution"]).items():
         kinds = [(o.output_type, o.get("name"), o.get("ename")) for o in cell.outputs]
         assert all(o[0] != "error" and o[1] != "stderr" for o in kinds), (grade_id, cell.outputs)
 
 
 def test_the_blank_release_scores_zero_without_waiting_for_a_timeout(graded):
     assert all(s == 0 for s, _ in graded.scores["blank"].values()), graded.scores["blank"]
-    for grade_id, cell in test_cells(graded.notebooks["blank"]).items():
+    for grade_id, cell in graded_cells(graded.notebooks["blank"]).items():
         errors = [o.ename for o in cell.outputs if o.output_type == "error"]
         assert errors and not {"RankTimeout", "CellTimeoutError"} & set(errors), (grade_id, errors)
     assert graded.seconds["blank"] < 60, f"the blank notebook took {graded.seconds['blank']:.0f} s to grade"
@@ -156,7 +156,7 @@ def test_a_wrong_answer_loses_its_own_points_and_no_others(graded):
 
 def test_a_deadlock_fails_its_test_in_time_and_the_rest_is_graded(graded):
     for grade_id in getattr(wrong_submission(graded.name), "DEADLOCK", {}):
-        cell = test_cells(graded.notebooks["wrong"])[f"test_{grade_id}"]
+        cell = graded_cells(graded.notebooks["wrong"])[f"test_{grade_id}"]
         errors = [o for o in cell.outputs if o.output_type == "error"]
         assert errors and errors[0].ename == "RankTimeout", cell.outputs  # the test's own limit, not nbgrader's
         assert "did not finish within" in errors[0].evalue + "".join(errors[0].traceback)
