@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,12 @@ def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+def _default_sigint() -> None:
+    """Let Ctrl-C reach the script as in a terminal, even when pytest runs in the background of a shell
+    (which ignores SIGINT there, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def python_script(tmp_path):
     """Start a Python script (dedented source) in a fresh interpreter; returns a Popen."""
@@ -48,6 +55,6 @@ def python_script(tmp_path):
         path = tmp_path / f"script_{len(list(tmp_path.iterdir()))}.py"
         path.write_text(textwrap.dedent(source))
         return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=ROOT, **kwargs)
+                                text=True, cwd=ROOT, preexec_fn=_default_sigint, **kwargs)
 
     return start
