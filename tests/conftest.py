@@ -49,12 +49,20 @@ def _default_sigint() -> None:
 
 @pytest.fixture
 def python_script(tmp_path):
-    """Start a Python script (dedented source) in a fresh interpreter; returns a Popen."""
+    """Start a Python script (dedented source) in a fresh interpreter; returns a Popen. A script still
+    running when the test ends (it failed) is terminated; its ranks die with it."""
+    started = []
 
     def start(source: str, **kwargs) -> subprocess.Popen:
         path = tmp_path / f"script_{len(list(tmp_path.iterdir()))}.py"
         path.write_text(textwrap.dedent(source))
-        return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=ROOT, preexec_fn=_default_sigint, **kwargs)
+        started.append(subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=_default_sigint,
+                                        **kwargs))
+        return started[-1]
 
-    return start
+    yield start
+    for script in started:
+        if script.poll() is None:
+            script.terminate()
+            script.wait(timeout=10)
