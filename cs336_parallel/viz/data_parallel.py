@@ -31,6 +31,23 @@ def _busy(spans: list[dict]) -> list[tuple[float, float]]:
     return busy
 
 
+def draw_compute_lane(ax, base: float, spans: Sequence[dict], colors: Mapping[str, str], **style) -> None:
+    """A rank's compute spans as bars on lane `base` (ms), coloured by name; gaps between them are waits."""
+    for s in spans:
+        if s["lane"] == "compute":
+            ax.barh(base, (s["end_s"] - s["start_s"]) * 1e3, left=s["start_s"] * 1e3, height=0.8,
+                    color=colors.get(s["name"], OTHER_COLOR), **style)
+
+
+def label_rank_lanes(ax, n_ranks: int, *, margin: float) -> None:
+    """Name the two lanes of each rank: compute at -2 r, communication at -2 r - 1."""
+    ticks = [t for r in range(n_ranks) for t in (-2 * r, -2 * r - 1)]
+    labels = [label for r in range(n_ranks) for label in (f"rank {r} compute", f"rank {r} comm")]
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_ylim(-2 * n_ranks + margin, 0.6)
+    ax.grid(axis="x", alpha=0.3)
+
+
 def ddp_timeline(timelines: Mapping[str, Sequence[Sequence[dict]]], *, title: str = "") -> Figure:
     """One measured training step per variant: for each rank a compute lane (forward, backward, waiting
     for communication) and a communication lane (a tick where each collective was launched; a bar while
@@ -46,23 +63,16 @@ def ddp_timeline(timelines: Mapping[str, Sequence[Sequence[dict]]], *, title: st
         step_ms = 0.0
         for rank, spans in enumerate(timelines[name]):
             base = -2 * rank  # compute lane at base, communication lane below it
-            for s in spans:
-                if s["lane"] == "compute":
-                    ax.barh(base, (s["end_s"] - s["start_s"]) * 1e3, left=s["start_s"] * 1e3, height=0.8,
-                            color=STAGE_COLORS.get(s["name"], OTHER_COLOR), edgecolor="white", linewidth=0.5)
+            draw_compute_lane(ax, base, spans, STAGE_COLORS, edgecolor="white", linewidth=0.5)
             comm = [s for s in spans if s["lane"] == "comm"]
             for i, (start, end) in enumerate(_busy(comm)):
                 ax.barh(base - 1, (end - start) * 1e3, left=start * 1e3, height=0.6, edgecolor="white",
                         linewidth=0.5, color=COMM_SHADES[i % 2])
             ax.vlines([s["start_s"] * 1e3 for s in comm], base - 0.7, base - 0.4, color="black", linewidth=0.8)
             step_ms = max([step_ms] + [s["end_s"] * 1e3 for s in spans])
-        ticks = [t for r in range(n_ranks) for t in (-2 * r, -2 * r - 1)]
-        labels = [label for r in range(n_ranks) for label in (f"rank {r} compute", f"rank {r} comm")]
-        ax.set_yticks(ticks, labels, fontsize=8)
-        ax.set_ylim(-2 * n_ranks + 0.5, 0.6)
+        label_rank_lanes(ax, n_ranks, margin=0.5)
         n_all_reduces = sum(s["name"] == "all_reduce" for s in timelines[name][0])
         ax.set_title(f"{name}: step {step_ms:.0f} ms, {n_all_reduces} all-reduces per rank", fontsize=10, loc="left")
-        ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time since the step began (ms)")
     handles = [Patch(color=STAGE_COLORS[k], label=k) for k in ("forward", "backward")]
     handles += [Patch(color=STAGE_COLORS["wait"], label="waiting for communication"),

@@ -11,6 +11,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from .collectives import RANK_COLORS
+from .data_parallel import OTHER_COLOR, draw_compute_lane, label_rank_lanes
 
 STAGE_COLORS = ["#8C8C8C", RANK_COLORS[0], RANK_COLORS[2], RANK_COLORS[1]]  # DDP, ZeRO-1, ZeRO-2, ZeRO-3
 SPAN_COLORS = {"forward": RANK_COLORS[0], "backward": RANK_COLORS[1], "all_gather": RANK_COLORS[2],
@@ -95,24 +96,17 @@ def fsdp_timeline(traces: Mapping[str, Sequence[Sequence[dict]]], *, title: str 
         end_ms = 0.0
         for rank, spans in enumerate(traces[variant]):
             base = -2 * rank
-            for s in spans:
-                if s["lane"] == "compute":
-                    ax.barh(base, (s["end_s"] - s["start_s"]) * 1e3, left=s["start_s"] * 1e3, height=0.8,
-                            color=SPAN_COLORS.get(s["name"], "#8C8C8C"), linewidth=0)
+            draw_compute_lane(ax, base, spans, SPAN_COLORS, linewidth=0)
             comm = sorted((s for s in spans if s["lane"] == "comm"), key=lambda s: s["start_s"])
             rows = _rows(comm)
             height = 0.8 / max(1, max(rows, default=0) + 1)
             for s, row in zip(comm, rows, strict=True):
                 ax.barh(base - 1.4 + (row + 0.5) * height, (s["end_s"] - s["start_s"]) * 1e3,
-                        left=s["start_s"] * 1e3, height=height * 0.9, color=SPAN_COLORS.get(s["name"], "#8C8C8C"),
+                        left=s["start_s"] * 1e3, height=height * 0.9, color=SPAN_COLORS.get(s["name"], OTHER_COLOR),
                         edgecolor="black", linewidth=0.3)
             end_ms = max([end_ms] + [s["end_s"] * 1e3 for s in spans])
-        ticks = [t for r in range(n_ranks) for t in (-2 * r, -2 * r - 1)]
-        ax.set_yticks(ticks, [lab for r in range(n_ranks) for lab in (f"rank {r} compute", f"rank {r} comm")],
-                      fontsize=8)
-        ax.set_ylim(-2 * n_ranks + 0.4, 0.6)
+        label_rank_lanes(ax, n_ranks, margin=0.4)
         ax.set_title(f"{variant}: forward + backward in {end_ms:.0f} ms", fontsize=10, loc="left")
-        ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time since the step began (ms)")
     used = {s["name"] for t in traces.values() for spans in t for s in spans}
     handles = [Patch(color=c, label=k.replace("_", "-")) for k, c in SPAN_COLORS.items() if k in used]
