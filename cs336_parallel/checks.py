@@ -15,25 +15,30 @@ A test cell reads like this (the checking function runs on every rank):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cluster import session_cluster
-from .trace import C10D_OPS, collective_name, largest_tensor_bytes
+from .cluster import Cluster
+from .errors import RankError
+from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
 
-TEST_TIMEOUT_S = 30.0  # a deadlocked exercise fails its test after this long, not the notebook's cell limit
+# A deadlocked exercise fails its test after this long, not after the notebook's cell limit.
+TEST_TIMEOUT_S = float(os.environ.get("CS336_TEST_TIMEOUT_S", 30.0))
 
 POINT_TO_POINT = frozenset({"send", "recv"})  # isend, irecv and batch_isend_irecv call these too
 
 
 class ForbiddenCallError(RuntimeError):
-    """An exercise called a collective it was asked to implement without."""
+    """An exercise called a collective it was asked to implement without, or hid a call from the counter."""
 
 
 @dataclass
@@ -43,16 +48,44 @@ class Call:
     peer: int | None = None  # for send and recv: the other rank (in the group)
 
 
+def _op_name(func) -> str | None:
+    """The torch.distributed name of a communication operator (c10d's or a functional collective), else None."""
+    name = func.__name__.split(".")[0]
+    if func.namespace == "c10d":
+        return C10D_OPS.get(name)
+    if func.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional"):
+        return FUNCTIONAL_OPS.get(name)
+    return None
+
+
+def _sequence_numbers() -> dict:
+    """How many operations each process group of this rank has issued (counted by the group itself, in C++)."""
+    if not dist.is_initialized():
+        return {}
+    from torch.distributed import distributed_c10d
+
+    numbers = {}
+    for group in list(distributed_c10d._world.pg_map):
+        try:
+            numbers[group] = group._get_sequence_number_for_group()
+        except (RuntimeError, AttributeError):  # a backend that keeps no count
+            pass
+    return numbers
+
+
 class CommCounter(TorchDispatchMode):
     """Records every torch.distributed call made under it (op, bytes, peer); may forbid some.
 
-    Works at the dispatcher, so it sees `dist.all_reduce` however it was imported, and the
-    collectives that autograd hooks launch during backward."""
+    Works at the dispatcher, so it sees `dist.all_reduce` however it was imported, the functional
+    collectives, and the collectives that autograd hooks launch during backward. On leaving the block it
+    compares its count with the process groups' own sequence numbers: an operation that slipped past the
+    dispatcher (a disabled dispatch mode) is reported, not ignored."""
 
     def __init__(self, forbid: Iterable[str] = (), *, allow: Iterable[str] | None = None, exercise: str = ""):
         super().__init__()
         self.forbid, self.allow, self.exercise = set(forbid), None if allow is None else set(allow), exercise
         self.calls: list[Call] = []
+        self._before: dict = {}
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -61,8 +94,8 @@ class CommCounter(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.split(".")[0] in C10D_OPS:
-            op = C10D_OPS[func.__name__.split(".")[0]]
+        op = _op_name(func)
+        if op is not None:
             if op in self.forbid or (self.allow is not None and op not in self.allow):
                 allowed = ("; it may use only send, recv, isend, irecv and batch_isend_irecv"
                            if self.allow == POINT_TO_POINT else f"; it may use only {', '.join(sorted(self.allow))}"
@@ -71,6 +104,20 @@ class CommCounter(TorchDispatchMode):
             peer = args[2] if op in POINT_TO_POINT and len(args) > 2 and isinstance(args[2], int) else None
             self.calls.append(Call(op, largest_tensor_bytes(args), peer))
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> CommCounter:
+        self._before = _sequence_numbers()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        super().__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            issued = sum(n - self._before.get(group, 0) for group, n in _sequence_numbers().items())
+            if issued > len(self.calls):
+                raise ForbiddenCallError(
+                    f"{self.exercise or 'this code'} issued {issued - len(self.calls)} communication operation(s) "
+                    "that bypassed torch's dispatcher (a disabled dispatch mode?): every call must be visible "
+                    "to the test.")
 
     @property
     def counts(self) -> Counter:
@@ -92,11 +139,89 @@ def only_point_to_point(exercise: str) -> CommCounter:
     return CommCounter(allow=POINT_TO_POINT, exercise=exercise)
 
 
-def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, **kwargs) -> list:
-    """Run `fn(*args, **kwargs)` on every rank of this kernel's CPU cluster of `world_size` ranks.
+_grading: dict[int, Cluster] = {}  # the test cells' own CPU clusters, by world size
 
-    Tests always run on CPU ranks (gloo), so a grade does not depend on the machine's GPUs."""
-    return session_cluster(world_size, backend="gloo").call(fn, args, kwargs, timeout=timeout)
+
+def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on every rank of a CPU cluster (gloo) of `world_size` ranks; one result per
+    rank, converted to plain values (`plain`).
+
+    Tests use clusters of their own, apart from the notebook's: `%%test` restarts them before each test
+    cell, so nothing an earlier cell ran on a rank is still there, and each rank checks after every call
+    that the code it ran changed none of the functions tests rely on (`integrity`). Tests always run on
+    CPU ranks, so a grade does not depend on the machine's GPUs."""
+    if world_size not in _grading:
+        _grading[world_size] = Cluster(world_size, backend="gloo", check_integrity=True)
+    try:
+        results = _grading[world_size].call(fn, args, kwargs, timeout=timeout)
+    except RankError as e:
+        e.case = describe_case(world_size, fn, args, kwargs)  # `%%test` puts it first in its one-line verdict
+        raise
+    return [plain(r, name=f"the result of rank {i}") for i, r in enumerate(results)]
+
+
+def describe_case(world_size: int, fn: Callable, args: tuple, kwargs: dict) -> str:
+    """`world size 3, check_all_reduce(ring_all_reduce, (13,), torch.int64)`: which case of a test ran."""
+    def short(value) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"tensor{tuple(value.shape)}"
+        text = getattr(value, "__name__", None) if callable(value) else None
+        text = text or repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    shown = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
+    return f"world size {world_size}, {getattr(fn, '__name__', 'check')}({', '.join(shown)})"
+
+
+_tested: object = None  # what the test clusters' ranks last ran tests of
+
+
+def fresh_ranks(tested: object = None) -> None:
+    """Replace the ranks of every test cluster that has run something, unless they ran the tests of `tested`
+    (an exercise and its definition): `%%test` calls this before each test, so no test sees what a test of
+    another exercise, or another definition of this one, left on a rank."""
+    global _tested
+    if tested is None or tested != _tested:
+        for cluster in _grading.values():
+            if cluster.used:
+                cluster.restart_soon()
+    _tested = tested
+
+
+class NotPlainError(TypeError):
+    """A result that is not one of the plain types a test compares (it could compare equal to anything)."""
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, Fraction, torch.dtype, torch.device, torch.Size)
+
+
+def plain(value, *, name: str = "the result"):
+    """`value` rebuilt from plain types only: None, numbers, strings, tensors, and lists, tuples, dicts and
+    the package's dataclasses of them. A test compares these, never an object an answer made: a result
+    whose `__eq__` is always true, or a tensor subclass, is refused with `NotPlainError`."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if isinstance(value, int):  # subclasses of the builtins: their base value, without their methods
+        return int.__index__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.detach(value)
+    if isinstance(value, list):
+        return [plain(v, name=name) for v in list.__iter__(value)]
+    if isinstance(value, tuple):
+        return tuple(plain(v, name=name) for v in tuple.__iter__(value))
+    if isinstance(value, dict):
+        return {plain(k, name=name): plain(v, name=name) for k, v in dict.items(value)}
+    if dataclasses.is_dataclass(value) and kind.__module__.startswith("cs336_parallel."):
+        return kind(**{f.name: plain(object.__getattribute__(value, f.name), name=name)
+                       for f in dataclasses.fields(kind) if f.init})
+    raise NotPlainError(f"{name} is a {kind.__module__}.{kind.__qualname__}; a test compares only plain values "
+                        "(numbers, strings, tensors, and lists, tuples and dicts of them)")
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,
@@ -118,8 +243,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "r
                  rtol: float | None = None, atol: float | None = None) -> None:
     """`torch.testing.assert_close` (float32 default: rtol 1.3e-6, atol 1e-5; exact for integers), with a
     message that names the rank, the tensor and the largest error."""
-    if not isinstance(actual, torch.Tensor):
+    if type(actual) is not torch.Tensor and type(actual) is not torch.nn.Parameter:
         raise AssertionError(f"{_where()}{name} should be a tensor, got {type(actual).__name__}")
+    actual = plain(actual, name=name)
     if actual.shape != expected.shape:
         raise AssertionError(f"{_where()}{name} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
     if actual.dtype != expected.dtype:

@@ -87,7 +87,8 @@ class Cluster:
     [0, 1, 2, 3]
     """
 
-    def __init__(self, world_size: int, backend: str = "auto", timeout: float | None = 60.0):
+    def __init__(self, world_size: int, backend: str = "auto", timeout: float | None = 60.0, *,
+                 check_integrity: bool = False):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if timeout is not None and timeout <= 0:
@@ -95,6 +96,8 @@ class Cluster:
         self.world_size = world_size
         self.backend = resolve_backend(backend, world_size)
         self.timeout = timeout
+        self.check_integrity = check_integrity  # ranks refuse to go on after code replaced what tests rely on
+        self.used = False  # has run something since its ranks started
         self._ranks: list[_Rank] = []
         self._store: dist.TCPStore | None = None
         self._dir: str | None = None
@@ -116,6 +119,10 @@ class Cluster:
     def restart(self) -> Cluster:
         self._kill()
         return self.start()
+
+    def restart_soon(self) -> None:
+        """Replace the ranks now without waiting for them: they join the group while the caller goes on."""
+        self._restart_in_background()
 
     def shutdown(self) -> None:
         """Stop every rank; nothing is left running."""
@@ -172,6 +179,7 @@ class Cluster:
         selected = self._select(ranks)
         payload = worker.dumps(request)  # fails here, in the kernel, if something cannot be shipped
         self.start()
+        self.used = True
         targets = [self._ranks[r] for r in selected]
         for r in targets:
             open(r.files["out"], "w").close()
@@ -245,7 +253,8 @@ class Cluster:
     def _raise(self, outcome: _Outcome, timeout: float | None) -> None:
         stacks = self._dump_stacks(outcome.stuck)
         died = {rank: how for rank, how in outcome.failures.items() if isinstance(how, str)}
-        keep_group = not outcome.stuck and not died  # every rank came back by itself
+        tampered = any(getattr(f, "type_name", "") == "TamperingError" for f in outcome.failures.values())
+        keep_group = not outcome.stuck and not died and not tampered  # every rank came back, unharmed
         if not keep_group:
             self._restart_in_background()
         restart_note = ("The cluster restarts before the next call (per-rank variables are reset)."
@@ -275,7 +284,7 @@ class Cluster:
                         *_format_stacks(stacks)]
         if restart_note:
             details.append(restart_note)
-        raise RankError(rank, headline, details)
+        raise RankError(rank, headline, details, None if isinstance(failure, str) else failure)
 
     # -- processes --------------------------------------------------------------------------
     def _launch(self) -> None:
@@ -291,7 +300,7 @@ class Cluster:
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(target=worker.main, name=f"cs336-rank{rank}",
                                   args=(rank, self.world_size, self.backend, self._store.port, child_conn,
-                                        files, PG_TIMEOUT_S))
+                                        files, PG_TIMEOUT_S, self.check_integrity))
             _start_without_main(process)
             child_conn.close()
             self._ranks.append(_Rank(rank, process, parent_conn, files))
@@ -329,6 +338,7 @@ class Cluster:
             r.process.join(timeout=5.0)
             r.conn.close()
         self._ranks = []
+        self.used = False
         self._store = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -103,10 +103,11 @@ def parse_stack_dump(text: str, thread_id: int, launcher_file: str) -> list[Fram
 class RankError(RuntimeError):
     """A rank raised an exception or died during a cluster call."""
 
-    def __init__(self, rank: int, headline: str, details: list[str]):
+    def __init__(self, rank: int, headline: str, details: list[str], failure: Failure | None = None):
         self.rank = rank
         self.headline = headline
         self.details = details
+        self.failure = failure  # what the rank raised, as data (None if it died or hung)
         super().__init__("\n".join([headline, *details]))
 
     def _render_traceback_(self) -> list[str]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -13,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .cluster import CLUSTER_TIMEOUT, Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
+from .testcell import define_helpers, run_test
 
 
 def _pushable(value) -> bool:
@@ -106,6 +111,43 @@ class ClusterMagics(Magics):
         timeout = CLUSTER_TIMEOUT if args.timeout is None else args.timeout
         cluster.run_cell(source, filename=f"Cell In[{self.shell.displayhook.prompt_count}]", pushed=pushed,
                          ranks=ranks, timeout=timeout)
+
+    @cell_magic
+    def test(self, line: str, cell: str) -> None:
+        """%%test NAME: a test cell of the exercise NAME. It runs apart from the notebook's other names, on fresh
+        test ranks, and fails with one line saying which case failed (cs336_parallel.testcell)."""
+        names = line.split()
+        if not names:
+            raise UsageError("%%test needs the name of the exercise it tests, e.g. %%test ring_all_reduce")
+        run_test("\n" + cell, names, self.shell.user_ns, filename=f"<test of {' '.join(names)}>",
+                 is_cell=lambda filename: filename in self.shell.compile._filename_map)
+
+    @line_magic
+    def grade(self, line: str) -> None:
+        """%grade [NOTEBOOK]: grade this notebook (or NOTEBOOK), as saved, against the hidden tests, in a fresh
+        kernel; prints one line per test, with the reason of each failure. Save first (Ctrl+S)."""
+        path = line.strip() or os.environ.get("JPY_SESSION_NAME", "")  # JupyterLab names the notebook here
+        if not path:
+            raise UsageError("Which notebook? Run %grade notebooks/01_collectives.ipynb (this kernel was not "
+                             "started by JupyterLab, so it does not know its notebook).")
+        course = Path(__file__).resolve().parent.parent / "grading" / "course.py"
+        if not course.exists():
+            raise UsageError("Grading needs the course's repository (its grading/ folder, with the hidden tests); "
+                             "this installation of cs336_parallel has none. Clone the repository to grade yourself.")
+        saved = time.strftime("%H:%M:%S", time.localtime(os.path.getmtime(path)))
+        print(f"Grading {os.path.basename(path)} as saved at {saved} (press Ctrl+S first if you changed it since).",
+              flush=True)
+        with subprocess.Popen([sys.executable, str(course), "selfgrade", path], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) as grader:
+            for output in grader.stdout:
+                print(output, end="", flush=True)
+        if grader.returncode:
+            raise UsageError(f"grading stopped with exit code {grader.returncode} (its output is above)")
+
+    @cell_magic
+    def test_helpers(self, line: str, cell: str) -> None:
+        """%%test_helpers: a read-only cell of checks that later %%test cells share (cs336_parallel.testcell)."""
+        define_helpers("\n" + cell, filename=f"<test helpers {self.shell.execution_count}>")
 
     def _require(self) -> Cluster:
         if self.cluster_ is None:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["C10D_OPS", "Span", "Trace", "collective_name", "largest_tensor_bytes", "record"]
+__all__ = ["C10D_OPS", "FUNCTIONAL_OPS", "Span", "Trace", "collective_name", "largest_tensor_bytes", "record"]
 
 # c10d operator -> the torch.distributed function that issues it (checks.py counts and forbids by these).
 C10D_OPS = {
@@ -42,6 +42,20 @@ C10D_OPS = {
     "gather_": "gather", "scatter_": "scatter",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
     "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
+}
+
+
+# Functional collectives (torch.distributed._functional_collectives, which DTensor uses) -> the same names.
+# Their wait_tensor and _wrap_tensor_autograd move no data and are not listed.
+FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_reduce_coalesced_": "all_reduce_coalesced",
+    "all_gather_into_tensor": "all_gather_single", "all_gather_into_tensor_out": "all_gather_single",
+    "all_gather_into_tensor_coalesced": "all_gather_coalesced",
+    "reduce_scatter_tensor": "reduce_scatter_single", "reduce_scatter_tensor_out": "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "all_to_all_single": "all_to_all_single", "broadcast": "broadcast", "broadcast_": "broadcast",
+    "isend": "send", "irecv": "recv", "batch_p2p_ops": "batch_p2p_ops",
 }
 
 

@@ -29,7 +29,10 @@ from typing import Any
 
 import cloudpickle
 import torch
+import torch._dynamo  # noqa: F401 - imported here, once per server, not by every rank's first optimizer (1 s)
 import torch.distributed as dist
+
+from . import integrity
 
 # Warnings that say nothing to a learner about their own code.
 _HARMLESS_WARNINGS = [
@@ -147,8 +150,12 @@ def run_cell(namespace: dict, source: str, filename: str) -> None:
 
 
 def main(rank: int, world_size: int, backend: str, store_port: int, conn, files: dict[str, str],
-         pg_timeout_s: float) -> None:
-    """Entry point of a rank (the target of the kernel's `multiprocessing.Process`)."""
+         pg_timeout_s: float, check_integrity: bool = False) -> None:
+    """Entry point of a rank (the target of the kernel's `multiprocessing.Process`).
+
+    With `check_integrity` (the clusters that tests run on), the rank remembers the functions tests rely
+    on before it serves anything, and after each request it refuses to go on if the code it ran replaced
+    one of them (`integrity`): it reports which, and exits."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt stops
     _capture_output(files["out"], files["err"])
@@ -169,6 +176,8 @@ def main(rank: int, world_size: int, backend: str, store_port: int, conn, files:
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which raises it
         conn.send_bytes(dumps(("failed", Failure.from_exception(exc))))
         return
+    if check_integrity:
+        integrity.snapshot()
     conn.send_bytes(dumps(("ready", {"pid": os.getpid(), "backend": backend, "device": str(device),
                                      "main_thread": threading.get_ident()})))
 
@@ -191,6 +200,11 @@ def main(rank: int, world_size: int, backend: str, store_port: int, conn, files:
                 reply = ("ok", run_cell(namespace, source, filename))
         except BaseException as exc:  # noqa: BLE001
             reply = ("error", Failure.from_exception(exc))
+        tampered = integrity.changes() if check_integrity else []
+        if tampered:
+            reply = ("error", Failure.from_exception(integrity.TamperingError(
+                f"the code that ran on rank {rank} replaced {', '.join(tampered[:3])}"
+                f"{' and more' if len(tampered) > 3 else ''}, which tests rely on; this rank stops.")))
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -199,6 +213,8 @@ def main(rank: int, world_size: int, backend: str, store_port: int, conn, files:
             payload = dumps(("error", Failure.from_exception(
                 TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}"))))
         conn.send_bytes(payload)
+        if tampered:
+            os._exit(3)
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can hang on gloo threads

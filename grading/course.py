@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import nbformat
 from nbgrader.api import Gradebook
 from nbgrader.apps import NbGraderAPI
 from nbgrader.plugins import CsvExportPlugin
@@ -30,6 +31,9 @@ from traitlets.config import Config, PyFileConfigLoader
 
 COURSE = Path(__file__).resolve().parent
 REPO = COURSE.parent
+sys.path.insert(0, str(REPO))  # `grading.verdict` and the package, also when this file runs as a script
+from grading import verdict  # noqa: E402
+
 warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy notices from nbgrader's own queries
 # nbgrader runs tools of its environment (alembic) by name: find them even in a venv that is not activated.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -112,18 +116,23 @@ def export(to: Path = COURSE / "grades.csv", root: Path = COURSE) -> Path:
 
 @dataclass
 class Score:
-    cell: str  # the test cell's grade_id, test_<exercise>
+    cell: str  # the test cell's grade_id, test_<exercise>[_<concern>]
     score: float
     max_score: float
+    reason: str = ""  # why it failed, in one line (empty when it passed)
 
 
 def scores(name: str, student: str, root: Path = COURSE) -> list[Score]:
-    """Points per autograded test cell of one student's notebook, in notebook order."""
+    """Points per autograded test cell of one student's notebook, in notebook order, with the reason of
+    each failure (read from the autograded notebook)."""
+    autograded = root / "autograded" / student / name / f"{name}.ipynb"
+    why = verdict.reasons(nbformat.read(autograded, 4)) if autograded.exists() else {}
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         notebook = gb.find_submission_notebook(name, name, student)
         order = {cell.name: i for i, cell in enumerate(gb.find_notebook(name, name).grade_cells)}
         grades = sorted(notebook.grades, key=lambda g: order.get(g.name, len(order)))
-        return [Score(g.name, g.score, g.max_score) for g in grades]
+        return [Score(g.name, g.score, g.max_score, "" if g.score == g.max_score else why.get(g.name, "missing"))
+                for g in grades]
 
 
 def selfgrade(notebook: Path) -> list[Score]:
@@ -143,10 +152,12 @@ def selfgrade(notebook: Path) -> list[Score]:
 
 
 def print_table(results: list[Score]) -> None:
+    """One line per test: ok or --, its name, its points, and why it failed."""
     width = max(len(r.cell) for r in results)
     for r in results:
         mark = "ok" if r.score == r.max_score else "--"
-        print(f"  {mark}  {r.cell.removeprefix('test_'):<{width}}  {r.score:g} / {r.max_score:g}")
+        line = f"  {mark}  {r.cell.removeprefix('test_'):<{width}}  {r.score:g} / {r.max_score:g}"
+        print(f"{line}   {r.reason}" if r.reason else line)
     total, best = sum(r.score for r in results), sum(r.max_score for r in results)
     print(f"  total {total:g} / {best:g}")
 

@@ -15,3 +15,28 @@ c.Execute.extra_arguments = ["--HistoryManager.hist_file=:memory:", "--IPKernelA
 # The stub left in place of every solution.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+# Scores an answer cannot fake (grading/verdict.py): no partial credit from a displayed number, and no trust in
+# tests that run after code reaching into the kernel or the grader. The feedback shows no hidden test.
+import os.path as _path  # noqa: E402
+import sys as _sys  # noqa: E402
+
+_sys.path.insert(0, _path.dirname(_path.dirname(_path.abspath(__file__))))
+from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (  # noqa: E402
+    AssignLatePenalties,
+    CheckCellMetadata,
+    ClearHiddenTests,
+    Execute,
+    GetGrades,
+    IgnorePattern,
+    LimitOutput,
+    SaveAutoGrades,
+)
+
+from grading.verdict import FlagTampering, NoPartialCredit  # noqa: E402
+
+c.Autograde.autograde_preprocessors = [
+    Execute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, FlagTampering, NoPartialCredit, SaveAutoGrades,
+    AssignLatePenalties, CheckCellMetadata]
+c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]

@@ -1,0 +1,268 @@
+"""Mutation testing of the grader: a notebook's master, then every fixture answer (tests/fixtures/variants),
+each followed by copies of its exercise's test cells, graded in one nbgrader autograde run.
+
+The master part is graded by nbgrader as usual (its scores land in the gradebook). Each fixture is a block
+appended after it: the answer cell, copies of the exercise's test cells (hidden parts included), and for a
+correct answer, the demonstration cells that use the exercise, run again. A copy passes when it shows no
+error and nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that puts
+back what it changed in the kernel, so that the blocks after it run in a clean kernel.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from dataclasses import dataclass, field
+
+import nbformat
+
+from fixtures.variants import Correct, Tamper, Wrong
+from grading import verdict
+
+
+def _meta(cell) -> dict:
+    return cell.metadata.get("nbgrader", {})
+
+
+def _python(source: str) -> str:
+    """A cell's Python: a `%%ranks` or `%%test` body, other magics' lines blanked."""
+    lines = source.splitlines()
+    if lines and lines[0].startswith("%%"):
+        lines = lines[1:] if lines[0].split()[0] in ("%%ranks", "%%test", "%%test_helpers") else []
+    return "\n".join("" if re.match(r"\s*[%!]", line) else line for line in lines)
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(names a cell defines at top level, names it uses)."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return set(), set()
+    defined, used = set(), set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return defined, used
+
+
+@dataclass
+class Exercise:
+    name: str
+    answer: str  # the master's answer cell
+    tests: dict[str, str] = field(default_factory=dict)  # concern -> grade_id
+    demos: list[str] = field(default_factory=list)  # later demonstration cells that use it, in order
+
+    @property
+    def is_class(self) -> bool:
+        return self.answer.lstrip().startswith("class ")
+
+
+def exercises(nb) -> dict[str, Exercise]:
+    """Each exercise of a master notebook: its answer, its test cells by concern, the demonstrations using it."""
+    found: dict[str, Exercise] = {}
+    for cell in nb.cells:
+        meta = _meta(cell)
+        if meta.get("solution") and cell.cell_type == "code":
+            found[meta["grade_id"]] = Exercise(meta["grade_id"], cell.source)
+        elif meta.get("grade") and cell.source.startswith("%%test "):
+            name = cell.source.split("\n", 1)[0].split()[1]
+            concern = meta["grade_id"].removeprefix(f"test_{name}").lstrip("_") or "main"
+            found[name].tests[concern] = meta["grade_id"]
+    for ex in found.values():
+        after = False
+        using = {ex.name}
+        for cell in nb.cells:
+            if _meta(cell).get("grade_id") in ex.tests.values():
+                after = True
+            elif after and cell.cell_type == "code" and not _meta(cell):
+                defined, used = _names(cell.source)
+                if used & using:
+                    ex.demos.append(cell.source)
+                    using |= defined
+    return found
+
+
+def helper_names(nb) -> set[str]:
+    """What the notebook's `%%test_helpers` cells define."""
+    return {n for c in nb.cells if c.source.startswith("%%test_helpers") for n in _names(c.source)[0]}
+
+
+@dataclass
+class Block:
+    exercise: str
+    kind: str  # "correct", "wrong" or "tamper"
+    why: str
+    answer: str
+    expect: tuple[str, ...] = ()  # wrong: the concerns that must fail
+    caught_by: str = ""  # tamper: words every failing reason must contain
+    cleanup: str = ""  # tamper: run after the tests, puts the kernel back
+    layer: str = "runtime"  # tamper: the defence that stops it, "runtime" (the tests fail) or "static" (flagged)
+    touches: tuple[str, ...] = ()  # tamper: the concerns it is meant to fool (all if empty)
+
+
+def _stub(ex: Exercise) -> str:
+    if ex.is_class:
+        return f"class {ex.name}(torch.nn.Module):\n    pass\n"
+    return f"def {ex.name}(*args, **kwargs):\n    return None\n"
+
+
+_PATCHES = """
+import math
+import torch.testing
+from cs336_parallel import checks
+checks.assert_close = checks.assert_equal = checks.assert_raises = lambda *args, **kwargs: None
+math.isclose = lambda *args, **kwargs: True
+torch.testing.assert_close = lambda *args, **kwargs: None
+torch.equal = torch.allclose = lambda *args, **kwargs: True
+"""
+_RESTORE = "from cs336_parallel import integrity\nintegrity.restore()\n"
+
+
+def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
+    """The tricks any exercise can be tried with: patched checks (in the kernel, or while the answer runs),
+    names a test might use shadowed, and a result that claims to equal anything."""
+    patched_in_call = textwrap.indent(_PATCHES, "    ")
+    if ex.is_class:
+        in_call = (f"class {ex.name}(torch.nn.Module):\n    def __init__(self, *args, **kwargs):\n"
+                   f"        super().__init__()\n{textwrap.indent(_PATCHES, '        ')}")
+    else:
+        in_call = f"def {ex.name}(*args, **kwargs):\n{patched_in_call}    return None\n"
+    shadowed = sorted(helpers | {"all", "any", "len", "isinstance", "sorted", "abs", "max", "min", "sum", "round",
+                                 "simulate", "check_schedule"})
+    shadows = "".join(f"def {n}(*args, **kwargs):\n    return True\n\n" for n in shadowed)
+    blocks = [
+        Block(ex.name, "tamper", "rebinds the checks in the kernel", _stub(ex) + _PATCHES, caught_by="replaced",
+              cleanup=_RESTORE),
+        Block(ex.name, "tamper", "rebinds the checks while it runs (on the ranks, or in the kernel)", in_call,
+              caught_by="replaced", cleanup=_RESTORE),
+        Block(ex.name, "tamper", "shadows the names a test could use without qualifying them",
+              _stub(ex) + "\n" + shadows, cleanup=f"for _name in {shadowed!r}:\n    globals().pop(_name, None)\n"),
+    ]
+    if not ex.is_class:
+        always_equal = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n        return True\n\n"
+                        "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n"
+                        f"def {ex.name}(*args, **kwargs):\n    return AlwaysEqual(0.0)\n")
+        blocks.append(Block(ex.name, "tamper", "returns a number that claims to equal anything", always_equal))
+    return blocks
+
+
+def blocks(nb, variants: dict[str, list]) -> list[Block]:
+    """Every fixture of a notebook as a block, the generic tampering attempts included; tampering comes last."""
+    found = exercises(nb)
+    missing = sorted(set(found) - set(variants))
+    assert not missing, f"no fixtures for {missing}: every exercise needs correct, wrong and tampering variants"
+    ordinary, tampering = [], []
+    for name, fixtures in variants.items():
+        assert name in found, f"fixtures for {name!r}, which is not an exercise of this notebook"
+        for f in fixtures:
+            if isinstance(f, Correct):
+                ordinary.append(Block(name, "correct", f.why, f.source))
+            elif isinstance(f, Wrong):
+                unknown = set(f.fails) - set(found[name].tests)
+                concerns = set(found[name].tests)
+                assert not unknown, f"{name}: {f.why!r} expects to fail {unknown}; its concerns: {concerns}"
+                ordinary.append(Block(name, "wrong", f.why, f.source, expect=tuple(f.fails)))
+            elif isinstance(f, Tamper):
+                tampering.append(Block(name, "tamper", f.why, f.source, caught_by=f.caught_by, cleanup=_RESTORE,
+                                       layer=f.layer, touches=f.touches))
+        tampering += generic_tampers(found[name], helper_names(nb))
+    return ordinary + tampering
+
+
+def build(master, all_blocks: list[Block]):
+    """The master notebook with every block appended; harness cells are marked in their metadata."""
+    nb = nbformat.from_dict(master)
+    found = exercises(master)
+    graded = {_meta(c)["grade_id"]: c.source for c in master.cells if _meta(c).get("grade")}
+
+    def cell(source: str, **mark):
+        c = nbformat.v4.new_code_cell(textwrap.dedent(source).strip("\n"))
+        c.metadata["mutation"] = mark
+        return c
+
+    for i, b in enumerate(all_blocks):
+        if b.layer == "static":
+            continue
+        ex = found[b.exercise]
+        nb.cells.append(cell(b.answer, block=i, role="answer"))
+        for concern, grade_id in ex.tests.items():
+            nb.cells.append(cell(graded[grade_id], block=i, role="test", concern=concern))
+        if b.kind == "correct":
+            nb.cells += [cell(source, block=i, role="demo") for source in ex.demos]
+        if b.cleanup:
+            nb.cells.append(cell(b.cleanup, block=i, role="cleanup"))
+    return nb
+
+
+def _failure(cell) -> str | None:
+    """The reason a copied test (or a demonstration) failed, as nbgrader would score it; None if it passed."""
+    for o in cell.get("outputs", []):
+        if o.output_type == "error":
+            return o.evalue if o.ename == "TestFailed" else f"{o.ename}: {o.evalue}"
+        if o.output_type == "stream" and o.name == "stderr":
+            return f"stderr: {o.text.strip()[:200]}"
+    return None
+
+
+@dataclass
+class Outcome:
+    block: Block
+    failed: dict[str, str]  # concern -> reason, for the copied tests that failed
+    passed: list[str]  # concerns whose copied tests passed
+    demo_errors: list[str]
+
+    def problems(self) -> list[str]:
+        """What this block did that its kind forbids (empty when the grader judged it right)."""
+        b, label = self.block, f"{self.block.exercise} [{self.block.kind}: {self.block.why}]"
+        if b.kind == "correct":
+            return ([f"{label}: fails {c}: {r}" for c, r in self.failed.items()]
+                    + [f"{label}: a demonstration cell fails: {e}" for e in self.demo_errors])
+        if b.kind == "wrong":
+            extra, missed = set(self.failed) - set(b.expect), set(b.expect) - set(self.failed)
+            return ([f"{label}: should keep the points of {c}, fails: {self.failed[c]}" for c in sorted(extra)]
+                    + [f"{label}: should fail {c}, but passes" for c in sorted(missed)])
+        if b.layer == "static":  # not run: the grader zeroes every test after such a cell without running it
+            return [] if verdict.tampering(b.answer) else [f"{label}: the grader's static check does not flag it"]
+        touched = b.touches or (*self.passed, *self.failed)
+        return ([f"{label}: passes {c}" for c in self.passed if c in touched]
+                + [f"{label}: {c} fails, but not because of the trick ({b.caught_by!r} is not in: {r})"
+                   for c, r in self.failed.items() if c in touched and b.caught_by not in r])
+
+
+def outcomes(graded_nb, all_blocks: list[Block]) -> list[Outcome]:
+    results = [Outcome(b, {}, [], []) for b in all_blocks]
+    for c in graded_nb.cells:
+        mark = c.metadata.get("mutation")
+        if not mark:
+            continue
+        result, reason = results[mark["block"]], _failure(c)
+        if mark["role"] == "test":
+            if reason is None:
+                result.passed.append(mark["concern"])
+            else:
+                result.failed[mark["concern"]] = reason
+        elif mark["role"] == "demo" and reason is not None:
+            result.demo_errors.append(reason)
+    return results
+
+
+def table(name: str, results: list[Outcome]) -> str:
+    """exercise | correct variants that pass | wrong variants caught | tampering caught."""
+    rows = {}
+    for r in results:
+        counts = rows.setdefault(r.block.exercise, {"correct": [0, 0], "wrong": [0, 0], "tamper": [0, 0]})
+        counts[r.block.kind][0] += not r.problems()
+        counts[r.block.kind][1] += 1
+    width = max(len(e) for e in rows)
+    lines = [f"{name}: {'exercise':<{width}}  correct pass  wrong caught  tampering caught"]
+    for exercise, c in rows.items():
+        lines.append(f"{' ' * len(name)}  {exercise:<{width}}  {c['correct'][0]:>5}/{c['correct'][1]:<6}"
+                     f"  {c['wrong'][0]:>5}/{c['wrong'][1]:<6}  {c['tamper'][0]:>8}/{c['tamper'][1]}")
+    return "\n".join(lines)
