@@ -34,6 +34,7 @@ ATTRIBUTES = NAMES | {
     "_disable_current_modes", "no_dispatch", "_DisableTorchDispatch", "_unset_dispatch_mode",
     "_push_on_torch_dispatch_stack", "_pop_torch_dispatch_stack", "_functional_collectives",
     "_get_sequence_number_for_group", "integrity", "testcell", "_grading", "reload",
+    "f_back", "f_locals", "f_globals", "tb_frame", "getargvalues",  # reading a test's variables from its frame
 }
 FORBIDDEN_IMPORTS = ("builtins", "ctypes", "importlib", "IPython.core", "ipykernel", "traitlets", "nbgrader",
                      "cs336_parallel.integrity", "cs336_parallel.testcell", "torch.utils._python_dispatch",

@@ -18,6 +18,7 @@ from .experts import dispatch_diagram, drop_rate_plot, load_histograms  # noqa: 
 from .memory import fsdp_timeline, zero_memory_bars  # noqa: F401
 from .mesh import best_layout_heatmap, mesh_diagram, plan_breakdown  # noqa: F401
 from .pipeline import activations_per_stage, bubble_vs_microbatches, gantt, gantt_stack  # noqa: F401
+from .scaling import dp_crossover, dp_ratio_vs_gpus, roofline  # noqa: F401
 from .tensor_parallel import (  # noqa: F401
     activation_memory_chart,
     column_row_split,
