@@ -88,10 +88,10 @@ class _Layout:
         """Virtual stages on one micro-batch's path."""
         return self.p if self.bidirectional else self.p * self.v
 
-    @property
-    def share(self):
-        """The part of a whole stage's work (and parameters) that one chunk holds."""
-        return 1 if self.bidirectional or self.v == 1 else 1 / self.v
+    def per_chunk(self, amount):
+        """`amount` of a whole stage's work (or parameters, or activations) for one chunk: 1/v of it when
+        interleaved, all of it in the bidirectional layout."""
+        return amount if self.bidirectional or self.v == 1 else amount / self.v
 
     def virtual(self, stage: int, chunk: int) -> int:
         """The position on its micro-batch's path of `chunk` of `stage`."""
@@ -367,7 +367,7 @@ def peak_in_flight(schedule: Sequence[Sequence[Action]], *, layout: str = "inter
                 peak = max(peak, alive)
             elif a.kind == "BW" or a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split):
                 alive -= 1
-        peaks.append(peak * lay.share)
+        peaks.append(lay.per_chunk(peak))
     return peaks
 
 
@@ -375,7 +375,7 @@ def parameters_per_stage(schedule: Sequence[Sequence[Action]], *, layout: str = 
     """Per stage, the model's parameters it holds, in stages' worth (1/p of the model): 1 for one chunk or
     v interleaved chunks of 1/v each; 2 for a bidirectional schedule, whose stages hold two whole stages."""
     lay = _layout(schedule, layout)
-    return [len({a.chunk for a in actions}) * lay.share for actions in schedule]
+    return [lay.per_chunk(len({a.chunk for a in actions})) for actions in schedule]
 
 
 def _per_stage(value, p: int, name: str) -> list:
@@ -395,7 +395,7 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
     check_schedule(schedule, m, layout=layout)
     lay = _layout(schedule, layout)
-    p, v = lay.p, lay.v
+    p = lay.p
     costs = {name: _per_stage(value, p, name) for name, value in
              (("t_f", t_f), ("t_b", t_b), ("t_w", t_w))}
     if t_comm < 0:
@@ -404,7 +404,7 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     def duration(a: Action, s: int):
         f, b, w = costs["t_f"][s], costs["t_b"][s], costs["t_w"][s]
         total = {"F": f, "B": b, "W": w, "BW": b + w}[a.kind]
-        return total if lay.share == 1 else total / v
+        return lay.per_chunk(total)
 
     end: dict[tuple, float] = {}  # (kind, microbatch, virtual stage) -> finish time
     arrival: dict[tuple, float] = {}  # message -> when it is at the receiver
