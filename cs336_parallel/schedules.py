@@ -10,6 +10,15 @@ With `v` chunks per stage (interleaving, Narayanan et al. 2021) the model is cut
 p-1, then back to stage 0's next chunk. Activations flow from virtual stage k to k+1, gradients from
 k+1 to k.
 
+The *bidirectional* layout is DualPipe's (DeepSeek-V3 technical report, 2024, section 3.2.1): each
+stage (rank) s holds two whole stages of the model, model stage s for the micro-batches that enter at
+stage 0 (chunk 0: they go 0, 1, ..., p-1) and model stage p-1-s for those that enter at stage p-1
+(chunk 1: they go p-1, ..., 0). Every micro-batch travels one way, on one chunk; an action on a chunk
+does a whole stage's work, and each stage keeps the parameters of two. A forward followed by a backward
+of the other chunk is one overlapped pair ("F&B"), which starts when both its inputs are there; and
+since DualPipe posts its receives ahead of the actions that need them, in the order its neighbours
+send, the checker does not ask its actions to consume messages in that order.
+
 Communication model (what `run_pipeline` does with isend/irecv, and what `check_schedule` checks):
 a stage receives an action's input before running it (the receive waits), sends the output after it
 (the send does not wait for the receiver), and messages between two stages are received in the order
@@ -24,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 KINDS = ("F", "B", "W", "BW")
+LAYOUTS = ("interleaved", "bidirectional")
 
 
 class Action(NamedTuple):
@@ -65,23 +75,69 @@ def num_chunks(schedule: Sequence[Sequence[Action]]) -> int:
 
 # -- dependencies -------------------------------------------------------------------------------
 
-def _input_of(action: Action, stage: int, p: int, v: int) -> tuple | None:
+@dataclass(frozen=True)
+class _Layout:
+    """Where each virtual stage of a micro-batch's path lives (see the module docstring)."""
+
+    p: int
+    v: int
+    bidirectional: bool = False
+
+    @property
+    def depth(self) -> int:
+        """Virtual stages on one micro-batch's path."""
+        return self.p if self.bidirectional else self.p * self.v
+
+    def per_chunk(self, amount):
+        """`amount` of a whole stage's work (or parameters, or activations) for one chunk: 1/v of it when
+        interleaved, all of it in the bidirectional layout."""
+        return amount if self.bidirectional or self.v == 1 else amount / self.v
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The position on its micro-batch's path of `chunk` of `stage`."""
+        return self.p - 1 - stage if self.bidirectional and chunk == 1 else chunk * self.p + stage
+
+    def stage_of(self, k: int, chunk: int) -> int:
+        """The stage that holds virtual stage k of the path that an action on `chunk` belongs to."""
+        return self.p - 1 - k if self.bidirectional and chunk == 1 else k % self.p
+
+
+def _layout(schedule: Sequence[Sequence[Action]], layout: str) -> _Layout:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    v = num_chunks(schedule)
+    if layout == "bidirectional" and v > 2:
+        raise ValueError(f"a bidirectional schedule has two chunks per stage, 0 (stage 0 to p-1) and 1 (stage p-1 "
+                         f"to 0), got chunk {v - 1}")
+    return _Layout(len(schedule), v, layout == "bidirectional")
+
+
+def _paired(actions: Sequence[Action], i: int, lay: _Layout) -> bool:
+    """Bidirectional layout: a forward followed by a backward of the other chunk runs with it as one
+    overlapped pair (DualPipe's "F&B"), which starts when both inputs are there."""
+    if not lay.bidirectional or i + 1 >= len(actions):
+        return False
+    a, b = actions[i], actions[i + 1]
+    return a.kind == "F" and b.kind in ("B", "BW") and b.chunk != a.chunk
+
+
+def _input_of(action: Action, stage: int, lay: _Layout) -> tuple | None:
     """(message, producing stage) an action needs from an earlier virtual stage, or None."""
-    k = action.chunk * p + stage  # virtual stage
+    k = lay.virtual(stage, action.chunk)
     if action.kind == "F" and k > 0:
-        return ("activation", action.microbatch, k - 1), (k - 1) % p
-    if action.kind in ("B", "BW") and k < p * v - 1:
-        return ("gradient", action.microbatch, k + 1), (k + 1) % p
+        return ("activation", action.microbatch, k - 1), lay.stage_of(k - 1, action.chunk)
+    if action.kind in ("B", "BW") and k < lay.depth - 1:
+        return ("gradient", action.microbatch, k + 1), lay.stage_of(k + 1, action.chunk)
     return None
 
 
-def _output_of(action: Action, stage: int, p: int, v: int) -> tuple | None:
+def _output_of(action: Action, stage: int, lay: _Layout) -> tuple | None:
     """(message, consuming stage) an action produces for another virtual stage, or None."""
-    k = action.chunk * p + stage
-    if action.kind == "F" and k < p * v - 1:
-        return ("activation", action.microbatch, k), (k + 1) % p
+    k = lay.virtual(stage, action.chunk)
+    if action.kind == "F" and k < lay.depth - 1:
+        return ("activation", action.microbatch, k), lay.stage_of(k + 1, action.chunk)
     if action.kind in ("B", "BW") and k > 0:
-        return ("gradient", action.microbatch, k), (k - 1) % p
+        return ("gradient", action.microbatch, k), lay.stage_of(k - 1, action.chunk)
     return None
 
 
@@ -124,11 +180,22 @@ def _check_actions(schedule: Sequence[Sequence[Action]], m: int) -> list[dict]:
     return seen_per_stage
 
 
-def _check_complete(seen_per_stage: list[dict], m: int, v: int) -> None:
-    """Each micro-batch's F, and B and W (or BW), on every stage and chunk."""
+def _check_complete(seen_per_stage: list[dict], m: int, lay: _Layout) -> None:
+    """Each micro-batch's F, and B and W (or BW), on every stage and chunk (bidirectional: on its one chunk)."""
+    chunks = {mb: range(lay.v) for mb in range(m)}
+    if lay.bidirectional:
+        used: dict[int, set] = {}
+        for seen in seen_per_stage:
+            for mb, c in seen:
+                used.setdefault(mb, set()).add(c)
+        for mb, cs in sorted(used.items()):
+            if len(cs) > 1:
+                raise ValueError(f"micro-batch {mb} runs on chunks {sorted(cs)}: in a bidirectional schedule each "
+                                 f"micro-batch travels one way, on chunk 0 (stage 0 to p-1) or 1 (stage p-1 to 0)")
+        chunks = {mb: sorted(used.get(mb, {0})) for mb in range(m)}
     for s, seen in enumerate(seen_per_stage):
         for mb in range(m):
-            for c in range(v):
+            for c in chunks[mb]:
                 done = seen.get((mb, c), set())
                 missing = [f"F{mb}"] if "F" not in done else []
                 if not done & {"B", "BW"}:
@@ -140,16 +207,16 @@ def _check_complete(seen_per_stage: list[dict], m: int, v: int) -> None:
                                      f"needs F, then BW (or B and W), once per stage and chunk")
 
 
-def _check_message_order(schedule: Sequence[Sequence[Action]], p: int, v: int) -> None:
+def _check_message_order(schedule: Sequence[Sequence[Action]], lay: _Layout) -> None:
     """Between each pair of stages, messages are received in the order they are sent."""
     sent: dict[tuple[int, int], list] = {}
     received: dict[tuple[int, int], list] = {}
     for s, actions in enumerate(schedule):
         for i, a in enumerate(actions):
-            out = _output_of(a, s, p, v)
+            out = _output_of(a, s, lay)
             if out and out[1] != s:
                 sent.setdefault((s, out[1]), []).append(out[0])
-            inp = _input_of(a, s, p, v)
+            inp = _input_of(a, s, lay)
             if inp and inp[1] != s:
                 received.setdefault((inp[1], s), []).append((inp[0], i, a))
     for (src, dst), wanted in sorted(received.items()):
@@ -161,17 +228,18 @@ def _check_message_order(schedule: Sequence[Sequence[Action]], p: int, v: int) -
                     f"{_describe(first)} first: messages between two stages arrive in the order they were sent")
 
 
-def _check_progress(schedule: Sequence[Sequence[Action]], p: int, v: int, blocking_sends: bool) -> None:
+def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking_sends: bool) -> None:
     """Run the schedule with waiting receives (and, if asked, sends that wait for their receiver)."""
+    p = lay.p
     pc = [0] * p
     done: set[tuple] = set()  # (kind, microbatch, virtual stage) of finished actions
     arrived: set[tuple] = set()  # messages handed to their receiver
     sending: list[tuple | None] = [None] * p  # a blocking send waiting for its receiver
 
-    def waiting_for(s: int) -> tuple | None:
-        """What stage s needs before running its next action (None: it can run)."""
-        a = schedule[s][pc[s]]
-        inp = _input_of(a, s, p, v)
+    def missing(s: int, i: int) -> tuple | None:
+        """The input stage s's action i is still waiting for (None: it has it)."""
+        a = schedule[s][i]
+        inp = _input_of(a, s, lay)
         if inp is None:
             return None
         message, src = inp
@@ -179,6 +247,13 @@ def _check_progress(schedule: Sequence[Sequence[Action]], p: int, v: int, blocki
             kinds = ("F",) if a.kind == "F" else ("B", "BW")
             return None if any((k, a.microbatch, message[2]) in done for k in kinds) else inp
         return None if message in arrived else inp
+
+    def waiting_for(s: int) -> tuple | None:
+        """What stage s needs before running its next action (None: it can run); a pair needs both inputs."""
+        wait = missing(s, pc[s])
+        if wait is None and _paired(schedule[s], pc[s], lay):
+            wait = missing(s, pc[s] + 1)
+        return wait
 
     progressed = True
     while progressed:
@@ -188,7 +263,7 @@ def _check_progress(schedule: Sequence[Sequence[Action]], p: int, v: int, blocki
                 if sending[s] is not None:
                     message, dst = sending[s]
                     if pc[dst] < len(schedule[dst]) and sending[dst] is None and \
-                            _input_of(schedule[dst][pc[dst]], dst, p, v) == (message, s):
+                            _input_of(schedule[dst][pc[dst]], dst, lay) == (message, s):
                         arrived.add(message)
                         sending[s] = None
                         progressed = True
@@ -197,8 +272,8 @@ def _check_progress(schedule: Sequence[Sequence[Action]], p: int, v: int, blocki
                 if pc[s] == len(schedule[s]) or waiting_for(s) is not None:
                     break
                 a = schedule[s][pc[s]]
-                done.add((a.kind, a.microbatch, a.chunk * p + s))
-                out = _output_of(a, s, p, v)
+                done.add((a.kind, a.microbatch, lay.virtual(s, a.chunk)))
+                out = _output_of(a, s, lay)
                 if out and out[1] != s:
                     if blocking_sends:
                         sending[s] = out
@@ -229,23 +304,24 @@ def _is_list(x) -> bool:
 
 
 def check_schedule(schedule: Sequence[Sequence[Action]], num_microbatches: int, *,
-                   blocking_sends: bool = False) -> None:
+                   blocking_sends: bool = False, layout: str = "interleaved") -> None:
     """Raise ValueError naming the first bad action unless `schedule` is a valid pipeline schedule.
 
     Valid: on every stage and chunk each micro-batch has one F, then one BW or a B followed by a W;
     messages between two stages are received in the order they are sent; and executing the stages
     with receives that wait (and, with `blocking_sends=True`, sends that wait for their receiver, as
-    `dist.send` does) finishes without a deadlock."""
+    `dist.send` does) finishes without a deadlock. With `layout="bidirectional"` (DualPipe's) each
+    micro-batch runs on one chunk, the one of its direction, and receives may come in any order."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
     if not _is_list(schedule) or not schedule or not all(_is_list(actions) for actions in schedule):
         raise ValueError("schedule must be a non-empty list with one list of actions per stage")
-    p = len(schedule)
     seen = _check_actions(schedule, num_microbatches)
-    v = num_chunks(schedule)
-    _check_complete(seen, num_microbatches, v)
-    _check_message_order(schedule, p, v)
-    _check_progress(schedule, p, v, blocking_sends)
+    lay = _layout(schedule, layout)
+    _check_complete(seen, num_microbatches, lay)
+    if not lay.bidirectional:
+        _check_message_order(schedule, lay)
+    _check_progress(schedule, lay, blocking_sends)
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -268,17 +344,19 @@ class Timeline:
     peak_in_flight: list  # per stage: the most micro-batches whose activations are alive at once
     num_messages: int = 0  # point-to-point messages between stages
     costs: dict = field(default_factory=dict)
+    parameters: list | None = None  # per stage: the model's parameters it holds, in stages' worth (1/p of the model)
+    layout: str = "interleaved"
 
     @property
     def num_stages(self) -> int:
         return len(self.busy)
 
 
-def peak_in_flight(schedule: Sequence[Sequence[Action]]) -> list:
+def peak_in_flight(schedule: Sequence[Sequence[Action]], *, layout: str = "interleaved") -> list:
     """Per stage, the most micro-batches whose activations are alive at once, in units of one
-    micro-batch through the whole stage (a chunk counts 1/v). Alive from the F until the backward that
-    frees them: BW, or W when the backward is split (W still needs the stored inputs)."""
-    v = num_chunks(schedule)
+    micro-batch through a whole stage (an interleaved chunk counts 1/v). Alive from the F until the
+    backward that frees them: BW, or W when the backward is split (W still needs the stored inputs)."""
+    lay = _layout(schedule, layout)
     peaks = []
     for actions in schedule:
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
@@ -289,8 +367,15 @@ def peak_in_flight(schedule: Sequence[Sequence[Action]]) -> list:
                 peak = max(peak, alive)
             elif a.kind == "BW" or a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split):
                 alive -= 1
-        peaks.append(peak if v == 1 else peak / v)
+        peaks.append(lay.per_chunk(peak))
     return peaks
+
+
+def parameters_per_stage(schedule: Sequence[Sequence[Action]], *, layout: str = "interleaved") -> list:
+    """Per stage, the model's parameters it holds, in stages' worth (1/p of the model): 1 for one chunk or
+    v interleaved chunks of 1/v each; 2 for a bidirectional schedule, whose stages hold two whole stages."""
+    lay = _layout(schedule, layout)
+    return [lay.per_chunk(len({a.chunk for a in actions})) for actions in schedule]
 
 
 def _per_stage(value, p: int, name: str) -> list:
@@ -300,14 +385,17 @@ def _per_stage(value, p: int, name: str) -> list:
     return values
 
 
-def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0) -> Timeline:
+def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0, *,
+             layout: str = "interleaved") -> Timeline:
     """The timeline of `schedule` when every action starts as soon as its stage is free and its input
     has arrived. Costs are for one micro-batch through a whole stage (a number, or one per stage): F
-    takes t_f, B t_b, W t_w, BW t_b + t_w; with v chunks per stage an action on one chunk takes 1/v of
-    that. A message between stages takes t_comm. Exact with ints or Fractions as costs."""
+    takes t_f, B t_b, W t_w, BW t_b + t_w; with v interleaved chunks per stage an action on one chunk
+    takes 1/v of that (in the bidirectional layout, all of it, and an F&B pair starts when both its
+    inputs are there). A message between stages takes t_comm. Exact with ints or Fractions as costs."""
     m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
-    check_schedule(schedule, m)
-    p, v = len(schedule), num_chunks(schedule)
+    check_schedule(schedule, m, layout=layout)
+    lay = _layout(schedule, layout)
+    p = lay.p
     costs = {name: _per_stage(value, p, name) for name, value in
              (("t_f", t_f), ("t_b", t_b), ("t_w", t_w))}
     if t_comm < 0:
@@ -316,7 +404,7 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     def duration(a: Action, s: int):
         f, b, w = costs["t_f"][s], costs["t_b"][s], costs["t_w"][s]
         total = {"F": f, "B": b, "W": w, "BW": b + w}[a.kind]
-        return total / v if v > 1 else total
+        return lay.per_chunk(total)
 
     end: dict[tuple, float] = {}  # (kind, microbatch, virtual stage) -> finish time
     arrival: dict[tuple, float] = {}  # message -> when it is at the receiver
@@ -324,39 +412,44 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     free = [0] * p
     pc = [0] * p
     messages = 0
+
+    def input_time(a: Action, s: int):
+        """When stage s has the input of action `a` (0 if it needs none), or None if not yet known."""
+        inp = _input_of(a, s, lay)
+        if inp is None:
+            return 0
+        message, src = inp
+        if src == s:  # from this stage's other chunk: that action's end
+            kinds = ("F",) if a.kind == "F" else ("B", "BW")
+            return next((end[(k, a.microbatch, message[2])] for k in kinds if (k, a.microbatch, message[2]) in end),
+                        None)
+        return arrival.get(message)
+
     progressed = True
     while progressed:  # each pass runs every stage as far as its inputs allow (check_schedule: no deadlock)
         progressed = False
         for s in range(p):
             while pc[s] < len(schedule[s]):
                 a = schedule[s][pc[s]]
-                ready = free[s]
-                inp = _input_of(a, s, p, v)
-                if inp is not None:
-                    message, src = inp
-                    if src == s:
-                        kinds = ("F",) if a.kind == "F" else ("B", "BW")
-                        times = [end[(k, a.microbatch, message[2])] for k in kinds
-                                 if (k, a.microbatch, message[2]) in end]
-                        if not times:
-                            break
-                        ready = max(ready, times[0])
-                    elif message not in arrival:
-                        break
-                    else:
-                        ready = max(ready, arrival[message])
+                pair = [a, schedule[s][pc[s] + 1]] if _paired(schedule[s], pc[s], lay) else [a]
+                inputs = [input_time(b, s) for b in pair]
+                if None in inputs:
+                    break
+                ready = max(free[s], *inputs)
                 finish = ready + duration(a, s)
                 busy[s].append(Interval(ready, finish, a))
-                end[(a.kind, a.microbatch, a.chunk * p + s)] = finish
-                out = _output_of(a, s, p, v)
+                end[(a.kind, a.microbatch, lay.virtual(s, a.chunk))] = finish
+                out = _output_of(a, s, lay)
                 if out and out[1] != s:
                     arrival[out[0]] = finish + t_comm
                     messages += 1
                 free[s] = finish
                 pc[s] += 1
                 progressed = True
-    return timeline_from_intervals(busy, peak_in_flight(schedule), num_messages=messages,
-                                   costs={"t_f": t_f, "t_b": t_b, "t_w": t_w, "t_comm": t_comm})
+    timeline = timeline_from_intervals(busy, peak_in_flight(schedule, layout=layout), num_messages=messages,
+                                       costs={"t_f": t_f, "t_b": t_b, "t_w": t_w, "t_comm": t_comm})
+    timeline.parameters, timeline.layout = parameters_per_stage(schedule, layout=layout), layout
+    return timeline
 
 
 def timeline_from_intervals(busy: list[list[Interval]], peaks: list | None = None, *, start=None,

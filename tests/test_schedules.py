@@ -1,12 +1,14 @@
 """The schedule toolkit against closed forms: bubble fractions, warm-up counts, peak in-flight
-micro-batches; the checker's errors; the Gantt chart and the explorer.
+micro-batches; the checker's errors; DualPipe's bidirectional layout against DeepSeek-V3's Table 2; the
+Gantt chart and the explorer.
 
-The package ships no schedule generators (they are the notebook's exercises), so the reference ones
-used here live in this file."""
+The package ships no generators of the schedules the notebook asks for (they are its exercises), so the
+reference ones used here live in this file; DualPipe's, which the notebook only draws, is the package's."""
 
 from __future__ import annotations
 
 import itertools
+import statistics
 import subprocess
 import sys
 from fractions import Fraction
@@ -14,12 +16,14 @@ from fractions import Fraction
 import pytest
 
 from conftest import ROOT
+from cs336_parallel.dualpipe import dualpipe_schedule
 from cs336_parallel.schedules import (
     Action,
     Interval,
     check_schedule,
     format_schedule,
     num_chunks,
+    parameters_per_stage,
     parse,
     peak_in_flight,
     simulate,
@@ -158,6 +162,74 @@ def test_every_reference_schedule_is_valid():
         for v in (1, 2, 3):
             if m % p == 0:
                 check_schedule(interleaved(p, m, v), m)
+
+
+# -- DualPipe: the bidirectional layout -----------------------------------------------------------
+
+
+def test_dualpipe_is_valid_and_sends_each_half_of_the_microbatches_one_way():
+    for p, m in itertools.product([2, 4, 6, 8], [16, 18, 24]):
+        schedule = dualpipe_schedule(p, m)
+        check_schedule(schedule, m, layout="bidirectional")
+        for actions in schedule:
+            assert sorted((a.microbatch, a.chunk) for a in actions if a.kind == "F") == [
+                (i, int(i >= m // 2)) for i in range(m)]  # the first half down (chunk 0), the second up
+
+
+def test_dualpipe_bubble_is_deepseek_v3s_table_2_when_backward_for_input_is_the_longest():
+    """Table 2 of the DeepSeek-V3 report: DualPipe's bubble (PP/2-1)(F&B + B - 3W), B the full backward, F&B
+    a forward and a backward run as one overlapped pair (here F + B: the simulator overlaps nothing),
+    against ZB1P's (PP-1)(F + B - 2W). It holds when t_F <= t_B and t_W <= t_B; otherwise the simulated
+    bubble is larger, still no larger than ZB-H1's; and it does not grow with m."""
+    for p, (t_f, t_b, t_w) in itertools.product([2, 4, 6, 8], itertools.product([1, 2, 3], repeat=3)):
+        full = t_b + t_w
+        table_2 = (p // 2 - 1) * ((t_f + full) + full - 3 * t_w)
+        idle = set()
+        for m in (2 * p, 2 * p + 2, 4 * p):
+            work = m * (t_f + t_b + t_w)
+            dual = simulate(dualpipe_schedule(p, m), *fr(t_f, t_b, t_w), layout="bidirectional")
+            zb = simulate(zero_bubble_h1(p, m), *fr(t_f, t_b, t_w))
+            idle.add(dual.total_time - work)
+            if t_f <= t_b and t_w <= t_b:
+                assert dual.total_time - work == table_2, (p, m, t_f, t_b, t_w)
+            assert table_2 <= dual.total_time - work <= zb.total_time - work, (p, m, t_f, t_b, t_w)
+        assert len(idle) == 1, (p, t_f, t_b, t_w, idle)
+
+
+def test_dualpipe_holds_one_more_activation_and_twice_the_parameters():
+    for p in (2, 4, 6, 8):
+        dual = simulate(dualpipe_schedule(p, 2 * p), layout="bidirectional")
+        assert dual.peak_in_flight == [p + 1] * p  # Table 2: PP + 1, against 1F1B's and ZB1P's PP
+        assert dual.parameters == [2] * p  # Table 2: 2x
+        assert simulate(one_f_one_b(p, 2 * p)).parameters == [1] * p
+        assert simulate(interleaved(p, 2 * p, 2)).parameters == [1] * p  # v chunks of 1/v each
+    assert parameters_per_stage([parse("F0 BW0"), parse("F0 BW0")]) == [1, 1]
+
+
+def test_bidirectional_routes_and_pairs_by_hand():
+    """p = 2: micro-batch 0 goes down on chunk 0, micro-batch 1 up on chunk 1 (stage 1 holds its first
+    virtual stage, stage 0 its loss). On stage 1, F0 and BW1c1 form a pair: F0 waits for BW1c1's gradient."""
+    schedule = [parse("F0 F1c1 BW1c1 BW0"), parse("F1c1 F0 BW1c1 BW0")]
+    t = simulate(schedule, t_f=1, t_b=1, t_w=0, layout="bidirectional")
+    assert [(i.start, i.end, str(i.action)) for i in t.busy[0]] == [
+        (0, 1, "F0"), (1, 2, "F1c1"), (2, 3, "BW1c1"), (6, 7, "BW0")]
+    assert [(i.start, i.end, str(i.action)) for i in t.busy[1]] == [
+        (0, 1, "F1c1"), (3, 4, "F0"), (4, 5, "BW1c1"), (5, 6, "BW0")]
+    assert t.num_messages == 4 and t.peak_in_flight == [2, 2] and t.parameters == [2, 2]
+
+
+def test_bidirectional_layout_refusals():
+    with pytest.raises(ValueError, match="micro-batch 0 runs on chunks \\[0, 1\\]"):
+        check_schedule([parse("F0 BW0 F0c1 BW0c1")] * 2, 1, layout="bidirectional")
+    with pytest.raises(ValueError, match="two chunks per stage"):
+        check_schedule([parse("F0c2 BW0c2")] * 2, 1, layout="bidirectional")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        simulate(gpipe(2, 2), layout="v-shape")
+    with pytest.raises(ValueError, match="deadlock"):  # stage 1's pair needs stage 0's BW1c1, which waits for it
+        check_schedule([parse("F0 BW0 F1c1 BW1c1"), parse("F1c1 F0 BW1c1 BW0")], 2, layout="bidirectional")
+    for p, m in [(3, 12), (0, 4), (4, 6), (4, 9)]:
+        with pytest.raises(ValueError, match="num_stages must be even|num_microbatches must be even"):
+            dualpipe_schedule(p, m)
 
 
 # -- the simulator on hand-built schedules -------------------------------------------------------
@@ -362,3 +434,31 @@ def test_timed_stage_records_forwards_and_each_kind_of_backward():
     assert all(a.end <= b.start for a, b in zip(intervals, intervals[1:], strict=False))
     assert [str(i.action) for i in first_stage.finish()] == ["F0", "BW0"]
     assert y2.grad_fn is not None  # the wrapper keeps the graph intact
+
+
+def test_timed_stage_sees_backwards_through_autograd_grad_and_split_ones_add_up():
+    """A pipeline may compute its gradients with torch.autograd.grad and set .grad itself, or run a BW
+    as two passes: the measured timeline still has every backward, and the simulator gets each
+    micro-batch's whole backward time."""
+    import torch
+
+    from cs336_parallel.bench.pipeline import TimedStage, measured_and_simulated
+    from cs336_parallel.models import MLPStack
+
+    timed = TimedStage(MLPStack(8, 2, hidden=16, seed=0))
+    params = list(timed.parameters())
+    x0, x1 = (torch.randn(4, 8, requires_grad=True) for _ in range(2))
+    y0, y1 = timed(x0), timed(x1)
+    grads = torch.autograd.grad(y0, [x0, *params], torch.ones_like(y0))  # BW in one call, .grad set by hand
+    for q, g in zip(params, grads[1:], strict=True):
+        q.grad = g
+    torch.autograd.grad(y1, [x1], torch.ones_like(y1), retain_graph=True)  # a BW as two passes
+    torch.autograd.grad(y1, params, torch.ones_like(y1))
+    intervals = timed.finish()
+    assert [str(i.action) for i in intervals] == ["F0", "F1", "BW0", "B1", "W1"]
+    schedule = [parse("F0 F1 BW0 BW1")]
+    measured, simulated = measured_and_simulated([intervals], schedule, scale=1.0)
+    backward_1 = sum(i.end - i.start for i in intervals[3:])
+    assert simulated.costs["t_b"] == [pytest.approx(statistics.median([intervals[2].end - intervals[2].start,
+                                                                       backward_1]))]
+    assert measured.total_time > 0

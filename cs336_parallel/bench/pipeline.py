@@ -51,8 +51,9 @@ class TimedStage(nn.Module):
 
     A backward starts when the gradient reaches the module's output and ends with the last of the
     input gradient and the parameter gradients it computes: BW when it computes both, B for the input
-    gradient alone, W for the parameters alone. Forwards are numbered in order: the k-th forward of a
-    chunk is micro-batch k (true of every schedule in the course). Where the input needs no gradient
+    gradient alone, W for the parameters alone, whether they are computed with `torch.autograd.backward`
+    or `torch.autograd.grad` (tensor hooks see both). Forwards are numbered in order: the k-th forward of
+    a chunk is micro-batch k (true of every schedule in the course). Where the input needs no gradient
     (the first stage), a backward is reported as BW."""
 
     def __init__(self, module: nn.Module, chunk: int = 0):
@@ -61,8 +62,8 @@ class TimedStage(nn.Module):
         self.intervals: list[Interval] = []
         self._forwards = 0
         self._open: dict | None = None  # the backward in progress
-        self._hooks = [param.register_post_accumulate_grad_hook(lambda _p: self._backward_touched("weights"))
-                       for param in module.parameters() if param.requires_grad]
+        self._hooks = [param.register_hook(self._weights_touched) for param in module.parameters()
+                       if param.requires_grad]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._close()
@@ -79,6 +80,9 @@ class TimedStage(nn.Module):
         self._close()
         self._open = {"start": time.perf_counter(), "end": None, "microbatch": microbatch,
                       "parts": set() if needs_input else {"input"}}
+
+    def _weights_touched(self, grad: torch.Tensor) -> None:
+        self._backward_touched("weights")
 
     def _backward_touched(self, part: str) -> None:
         if self._open is not None:
@@ -135,13 +139,21 @@ def measure_steps(run_pipeline, schedule_fn, num_microbatches: int, dim: int, ba
 def measured_and_simulated(per_rank: list[list[Interval]], schedule, *,
                            scale: float = 1e3) -> tuple[Timeline, Timeline]:
     """The measured timeline of one step (times x `scale`: milliseconds by default), and the simulator's
-    for the same schedule with each stage's median measured F and BW times (messages free, as the
-    closed form assumes)."""
+    for the same schedule with each stage's median measured forward and whole-backward times (messages
+    free, as the closed form assumes). A micro-batch's backward is whatever its passes took together:
+    one BW, or a B and a W, however the pipeline computed them."""
     scaled = [[Interval(i.start * scale, i.end * scale, i.action) for i in intervals] for intervals in per_rank]
     measured = timeline_from_intervals(scaled)
-    medians = {kind: [statistics.median(i.end - i.start for i in intervals if i.action.kind == kind)
-                      for intervals in scaled] for kind in ("F", "BW")}
-    simulated = simulate(schedule, t_f=medians["F"], t_b=medians["BW"], t_w=0, t_comm=0)
+    forwards, backwards = [], []
+    for intervals in scaled:
+        backward: dict[tuple, float] = {}
+        for i in intervals:
+            if i.action.kind != "F":
+                key = (i.action.microbatch, i.action.chunk)
+                backward[key] = backward.get(key, 0.0) + i.end - i.start
+        forwards.append(statistics.median(i.end - i.start for i in intervals if i.action.kind == "F"))
+        backwards.append(statistics.median(backward.values()))
+    simulated = simulate(schedule, t_f=forwards, t_b=backwards, t_w=0, t_comm=0)
     return measured, simulated
 
 

@@ -60,7 +60,11 @@ def draw_gantt(ax: Axes, timeline: Timeline, *, title: str = "", time_unit: str 
     p = timeline.num_stages
     ax.set_xlim(0, total)
     ax.set_ylim(-p + 0.5, 0.5)
-    ax.set_yticks([-s for s in range(p)], [f"stage {s}" + (f"\nchunks 0-{v - 1}" if v > 1 else "") for s in range(p)])
+    if getattr(timeline, "layout", "interleaved") == "bidirectional":  # lanes: down (chunk 0), up (chunk 1)
+        rows = [f"stage {s}\n\u2193{s} \u2191{p - 1 - s}" for s in range(p)]
+    else:
+        rows = [f"stage {s}" + (f"\nchunks 0-{v - 1}" if v > 1 else "") for s in range(p)]
+    ax.set_yticks([-s for s in range(p)], rows)
     ax.set_xlabel(f"time ({time_unit})")
     peaks = "" if timeline.peak_in_flight[0] is None else \
         ", peak in flight " + " ".join(f"{x:g}" for x in timeline.peak_in_flight)
