@@ -1,10 +1,16 @@
-# The two front-door commands (README): `make lab` starts the course, `make test` runs every test.
-# Both create or update the environment in .venv first, and are quick when it is up to date.
+# The front-door commands (README): `make lab` starts the course (learners), `make grade` grades a learner's
+# notebook, `make test` runs every test (developers), `make notebooks` releases the notebooks (instructors).
+# Each creates or updates the environment in .venv first, and is quick when it is up to date.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
+# What a learner needs (the package, JupyterLab, nbgrader), then what the tests need on top (pytest, ruff...).
 READY := $(VENV)/.installed
+TEST_READY := $(VENV)/.installed-test
+# `make lab TORCH=cpu`: PyTorch's CPU-only wheels on Linux (192 MB to download, not ~2.7 GB of CUDA libraries).
+TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_INDEX)
 KERNEL := cs336-parallel
 # The environment's tools (jupyter, nbgrader, alembic) come first for every command.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
@@ -17,6 +23,13 @@ AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBGRADER_SERVER_OFF := formgrader assignment_list course_list
 NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment menu
 
+# PyTorch 2.13 has wheels for Python 3.10 and newer.
+OLD_PYTHON := "cs336-parallel needs Python 3.10 or newer, as PyTorch 2.13 does; $(PYTHON) is Python " \
+  + sys.version.split()[0] + ". Install Python 3.10 or newer (python3 on Ubuntu 22.04 is 3.10; on macOS: \
+  brew install python@3.11), then run: make lab PYTHON=python3.10 (or the version you installed)"
+NO_VENV := "$(PYTHON) cannot create a virtual environment (it has no ensurepip). On Debian or Ubuntu: \
+  sudo apt install python3-venv (python3.10-venv for Python 3.10), then run make again."
+
 NOTEBOOKS ?= notebooks
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
@@ -25,7 +38,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
 
-test: $(READY) chromium
+test: $(TEST_READY) chromium
 	$(BIN)/python -m pytest $(ARGS)
 
 # The browser tests drive Debian's Chromium; without it (and without the rights to install it) they are skipped.
@@ -36,25 +49,30 @@ chromium:
 	      { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "Chromium is not installed and could not be installed here: the browser tests will be skipped."
 
-notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors)
-	$(BIN)/python grading/course.py release
+notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors); FORCE=1 overwrites changes
+	$(BIN)/python grading/course.py release $(if $(FORCE),--force)
 
 grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_collectives.ipynb
 	$(BIN)/python grading/course.py selfgrade $(NOTEBOOK)
 
-lint: $(READY)
+lint: $(TEST_READY)
 	$(BIN)/ruff check .
 
 $(READY): pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cs336-parallel needs Python 3.11 or newer, found " + sys.version' 
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else $(OLD_PYTHON))'
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { echo $(NO_VENV); exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[course,test]'
+	$(PIP_INSTALL) -e '.[course]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python 3 ($(KERNEL))" >/dev/null
 	$(BIN)/jupyter server extension disable --sys-prefix $(NBGRADER_SERVER_OFF:%=nbgrader.server_extensions.%) >/dev/null 2>&1
 	$(BIN)/jupyter labextension disable --level=sys_prefix $(NBGRADER_LAB_OFF:%=@jupyter/nbgrader:%) >/dev/null 2>&1
 	mkdir -p $(VENV)/share/jupyter/lab/settings  # no "get Jupyter news?" prompt on a learner's first start
 	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}' \
 	  > $(VENV)/share/jupyter/lab/settings/overrides.json
+	touch $@
+
+$(TEST_READY): $(READY)
+	$(PIP_INSTALL) -e '.[course,test]'
 	touch $@
 
 clean:

@@ -24,7 +24,9 @@ def load_ipython_extension(ipython) -> None:
     unfilled `raise NotImplementedError()`, and remember what tests rely on (the first line of every
     notebook, so before any answer cell runs)."""
     from .rank_server import warm_up
+    from .versions import check_torch
 
+    check_torch()  # one clear line about versions now, rather than an AttributeError inside an exercise
     warm_up()  # the server imports torch on another core while this kernel does below
     from . import integrity
     from .magics import ClusterMagics, explain_unfilled_exercise

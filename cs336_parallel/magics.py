@@ -11,6 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -40,6 +41,14 @@ def names_to_push(source: str, user_ns: dict) -> dict:
             stored.update((a.asname or a.name).split(".")[0] for a in node.names)
     return {name: user_ns[name] for name in sorted(loaded - stored)
             if name in user_ns and _pushable(user_ns[name])}
+
+
+def cpu_fallback_note(world_size: int, backend: str, gpus: int) -> str | None:
+    """One line when a machine that has GPUs runs the ranks on its CPU: fewer GPUs than ranks."""
+    if backend != "gloo" or not 0 < gpus < world_size:
+        return None
+    return (f"{world_size} ranks on CPU (gloo): this machine has {gpus} GPU{'s' * (gpus > 1)}; "
+            "NCCL needs one GPU per rank")
 
 
 def explain_unfilled_exercise(shell, etype, value, tb, tb_offset=None) -> list[str]:
@@ -75,6 +84,9 @@ class ClusterMagics(Magics):
             except ValueError as e:
                 raise UsageError(str(e)) from None
             set_session_cluster(self.cluster_.start())
+            note = cpu_fallback_note(args.nproc, self.cluster_.backend, torch.cuda.device_count())
+            if note and args.backend == "auto":
+                print(note)
             print(f"Started {args.nproc} ranks ({self.cluster_.backend}) in {time.perf_counter() - t0:.1f} s.")
             return
         cluster = self._require()

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
@@ -56,15 +57,45 @@ def _check(result: dict, what: str) -> None:
         raise RuntimeError(f"nbgrader could not {what}:\n{result.get('error') or result.get('log')}")
 
 
-def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[str] | None = None) -> list[Path]:
+class LearnerChanges(Exception):
+    """Releasing would overwrite notebooks that someone changed; they were left as they are."""
+
+    def __init__(self, kept: list[Path], written: list[Path], root: Path):
+        self.kept, self.written = kept, written
+        lines = [f"{os.path.relpath(path)} has changes that the release would overwrite: it was left as it is (the "
+                 f"new version is {os.path.relpath(root / 'release' / path.stem / path.name)})." for path in kept]
+        super().__init__("\n".join([*lines, "Save your work elsewhere (commit it to a branch of your own, or copy "
+                                     "the notebook), then run `make notebooks FORCE=1` to overwrite."]))
+
+
+def _committed(path: Path) -> bytes | None:
+    """`path` as the repository's last commit has it (None outside a git checkout, or if it is not committed)."""
+    try:
+        relative = path.resolve().relative_to(REPO)
+        done = subprocess.run(["git", "show", f"HEAD:{relative.as_posix()}"], cwd=REPO, capture_output=True)
+    except (ValueError, OSError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[str] | None = None, *,
+            force: bool = False) -> list[Path]:
     """Generate the student versions (solutions and hidden tests removed) of `names` (default: all)
-    and copy them into `into`."""
+    and copy them into `into`. A notebook there that someone changed (it is neither the committed version,
+    nor what the previous release wrote, nor the new one) is kept, and LearnerChanges raised, unless `force`."""
     grader = api(root)
     into.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, kept = [], []
     for name in names or assignments(root):
+        generated, target = root / "release" / name / f"{name}.ipynb", into / f"{name}.ipynb"
+        pristine = {generated.read_bytes() if generated.exists() else None, _committed(target)}
         _check(grader.generate_assignment(name), f"generate {name}")
-        written.append(Path(shutil.copy(root / "release" / name / f"{name}.ipynb", into / f"{name}.ipynb")))
+        if force or not target.exists() or target.read_bytes() in pristine | {generated.read_bytes()}:
+            written.append(Path(shutil.copy(generated, target)))
+        else:
+            kept.append(target)
+    if kept:
+        raise LearnerChanges(kept, written, root)
     return written
 
 
@@ -80,7 +111,7 @@ def collect(submissions: Path, root: Path = COURSE) -> list[tuple[str, str]]:
         target = root / "submitted" / student / assignment
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, target / path.name)
-        (target / "timestamp.txt").write_text(datetime.now(UTC).isoformat())
+        (target / "timestamp.txt").write_text(datetime.now(timezone.utc).isoformat())
         collected.append((student, assignment))
     return collected
 
@@ -166,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python grading/course.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("release").add_argument("assignments", nargs="*")
+    releasing = sub.add_parser("release")
+    releasing.add_argument("assignments", nargs="*")
+    releasing.add_argument("--force", action="store_true", help="overwrite notebooks that have changes")
     sub.add_parser("collect").add_argument("submissions", type=Path)
     sub.add_parser("autograde").add_argument("assignments", nargs="*")
     sub.add_parser("feedback").add_argument("assignments", nargs="*")
@@ -174,8 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("selfgrade").add_argument("notebook", type=Path)
     args = parser.parse_args(argv)
     if args.command == "release":
-        for path in release(names=args.assignments):
+        try:
+            written = release(names=args.assignments, force=args.force)
+        except LearnerChanges as e:
+            written, refusal = e.written, str(e)
+        else:
+            refusal = None
+        for path in written:
             print(f"wrote {path.relative_to(REPO)}")
+        if refusal:
+            sys.exit(refusal)
     elif args.command == "collect":
         collected = collect(args.submissions)
         print(f"collected {len(collected)} notebooks from {len({s for s, _ in collected})} students")

@@ -56,6 +56,9 @@ def notebook():
         "%cluster shutdown",
         "def ring_all_reduce(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()",  # 15: a blank exercise
         "ring_all_reduce(1)",
+        "import torch\ntorch.cuda.device_count = lambda: 1  # 17: as on a machine with one GPU",
+        "%cluster start -n 4",
+        "%cluster shutdown",
     ])
 
 
@@ -118,6 +121,12 @@ def test_an_unfilled_exercise_called_in_the_kernel_is_named(notebook):
     err = error(notebook[16])
     assert err["ename"] == "NotImplementedError"  # still an error: nbgrader scores the cell 0
     assert "Hint: `ring_all_reduce` is an exercise still to be filled in" in err["text"]
+
+
+def test_one_gpu_and_four_ranks_say_in_one_line_why_the_ranks_run_on_the_cpu(notebook):
+    lines = text(notebook[18]).splitlines()
+    assert lines[0] == "4 ranks on CPU (gloo): this machine has 1 GPU; NCCL needs one GPU per rank"
+    assert re.match(r"Started 4 ranks \(gloo\) in", lines[1]) and len(lines) == 2
 
 
 class Kernel:

@@ -26,3 +26,4 @@ from .tensor_parallel import (  # noqa: F401
     tp_block_flow,
     tp_step_time_vs_bandwidth,
 )
+from .topology import fat_tree_and_torus  # noqa: F401
