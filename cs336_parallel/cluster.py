@@ -58,7 +58,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 CLUSTER_TIMEOUT = object()  # "use the cluster's own timeout" (None means no limit)
 RANK_MEMORY_BYTES = 100 * 2**20  # what a rank needs of its own, at least (torch's pages are shared with the server)
 KERNEL_FDS_PER_RANK = 6  # its request pipe, two output pipes, its exit sentinel, and room
-RANK_FDS = 64  # a rank's own files and threads' needs, plus one connection per peer (below)
+RANK_FDS = 32  # what a rank opens for itself (about 15), with room; plus two per peer
 READ_BYTES = 1 << 16
 DRAIN_BYTES = 1 << 22  # read at most this much of a stream after a call (a thread may still be printing)
 RESTARTED = "The cluster restarts before the next call (per-rank variables are reset)."
@@ -92,20 +92,19 @@ def check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     too_many = f"world_size={world_size} is more than this machine can hold: {world_size} ranks need"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        free = soft - _open_fds()
+        if world_size * KERNEL_FDS_PER_RANK > free:
+            raise ValueError(f"{too_many} about {world_size * KERNEL_FDS_PER_RANK} file descriptors in this "
+                             f"process, and {free} of its {soft} are free (`ulimit -n` raises the limit).")
+        if RANK_FDS + 2 * world_size > soft:
+            raise ValueError(f"{too_many} about {RANK_FDS + 2 * world_size} file descriptors each (two per peer), "
+                             f"and a process may open {soft} (`ulimit -n` raises the limit).")
     memory = _available_memory()
     if memory is not None and world_size * RANK_MEMORY_BYTES > memory:
         raise ValueError(f"{too_many} about {_gib(world_size * RANK_MEMORY_BYTES)} of memory "
                          f"({RANK_MEMORY_BYTES // 2**20} MiB each), and {_gib(memory)} is available.")
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return
-    free = soft - _open_fds()
-    if world_size * KERNEL_FDS_PER_RANK > free:
-        raise ValueError(f"{too_many} about {world_size * KERNEL_FDS_PER_RANK} file descriptors in this process, "
-                         f"and {free} of its {soft} are free (`ulimit -n` raises the limit).")
-    if RANK_FDS + 2 * world_size > soft:
-        raise ValueError(f"{too_many} about {RANK_FDS + 2 * world_size} file descriptors each (one per peer), "
-                         f"and a process may open {soft} (`ulimit -n` raises the limit).")
 
 
 def check_timeout(timeout: Any) -> float | None:
