@@ -37,27 +37,69 @@ def _in_library(filename: str) -> bool:
     return "site-packages" in filename or filename.startswith(_PACKAGE_DIR) or "/lib/python3" in filename
 
 
+REPEATS_SHOWN = 3  # a frame repeated more often than this in a row (a recursion) is counted, as Python does
+
+
 def format_frames(frames: list[Frame]) -> list[str]:
     """Traceback lines; inside a library only the frame the caller entered is shown (that is the call
-    the learner made), the frames below it are counted."""
+    the learner made), the frames below it are counted, and so are a recursion's repeated frames."""
     # torch wraps every collective in a logging decorator; the frame the learner called is the next one.
     frames = [f for f in frames if not (f.name == "wrapper" and f.filename.endswith("c10d_logger.py"))]
     lines: list[str] = []
     hidden = 0
-    for i, f in enumerate(frames):
-        if _in_library(f.filename) and i > 0 and _in_library(frames[i - 1].filename):
-            hidden += 1
+    for i, (f, count) in enumerate(runs := _runs(frames)):
+        if _in_library(f.filename) and i > 0 and _in_library(runs[i - 1][0].filename):
+            hidden += count
             continue
         if hidden:
             lines.append(f"    ... {hidden} more frame{'s' * (hidden > 1)} inside the library")
             hidden = 0
-        lines.append(f'  File "{_short_path(_cell_name(f.filename))}", line {f.lineno}, in {f.name}')
         source = f.line or linecache.getline(f.filename, f.lineno).strip()
-        if source:
-            lines.append(f"    {source}")
+        for _ in range(min(count, REPEATS_SHOWN)):
+            lines.append(f'  File "{_short_path(_cell_name(f.filename))}", line {f.lineno}, in {f.name}')
+            if source:
+                lines.append(f"    {source}")
+        if count > REPEATS_SHOWN:
+            lines.append(f"  [Previous frame repeated {count - REPEATS_SHOWN} more times]")
     if hidden:
         lines.append(f"    ... {hidden} more frame{'s' * (hidden > 1)} inside the library")
     return lines
+
+
+def _runs(frames: list[Frame]) -> list[tuple[Frame, int]]:
+    """Consecutive identical frames as (frame, how many)."""
+    runs: list[tuple[Frame, int]] = []
+    for f in frames:
+        if runs and (runs[-1][0].filename, runs[-1][0].lineno, runs[-1][0].name) == (f.filename, f.lineno, f.name):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((f, 1))
+    return runs
+
+
+def format_stacks(stacks: dict[int, list[Frame]], stopped: list[int] = ()) -> list[str]:
+    """Where each rank was, as traceback lines under `rank N:`."""
+    lines = []
+    for rank, frames in stacks.items():
+        lines.append(f"rank {rank}:")
+        if rank in stopped:
+            lines.append("  (stopped: paused by a signal such as SIGSTOP, it runs no code until continued)")
+        else:
+            lines += format_frames(frames) or ["  (no Python stack: the rank was not running Python code)"]
+    return lines
+
+
+_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match expected size")
+
+
+def collective_mismatch(stderr: list[str]) -> str | None:
+    """What a rank's last stderr lines say of a collective mismatch (gloo aborts the rank on one), if anything."""
+    text = "\n".join(stderr)
+    if "collective mismatch" not in text:
+        return None
+    sizes = _MISMATCH.search(text)
+    received = f": it received {sizes[1]} bytes where its own call expected {sizes[2]}" if sizes else ""
+    return f"stopped at a mismatched collective{received}"
 
 
 def format_failure(failure: Failure, rank: int) -> list[str]:

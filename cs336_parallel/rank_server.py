@@ -3,19 +3,35 @@
 Importing torch takes about a second. The server pays it once per kernel, and `%load_ext cs336_parallel`
 starts it in the background (while the kernel imports torch itself), so `%cluster start` only forks.
 This module imports nothing heavy: warming up must not wait for torch.
+
+The server also cleans up after its kernel. It runs in a session of its own (`in_rank_server`), so it
+outlives a kill of the kernel's process group by the moment it takes to notice: then it kills the
+ranks' process groups and removes the folders the kernel left (`private_dir`), and multiprocessing's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import multiprocessing
 import multiprocessing.context
+import os
+import shutil
+import signal
+import tempfile
+import time
 from multiprocessing import forkserver
+
+DIR_PREFIX = "cs336-cluster-"
+OWNER = "owner.lock"  # a cluster folder is in use while a process holds the lock on this file
+PRELOAD = ["cs336_parallel.worker", "cs336_parallel.in_rank_server"]
 
 
 def context() -> multiprocessing.context.ForkServerContext:
     """The multiprocessing context whose server preloads the worker module (and so torch)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["cs336_parallel.worker"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -23,3 +39,59 @@ def warm_up() -> None:
     """Start the server now, without waiting for it; the first cluster then starts in a fraction of a second."""
     context()
     forkserver.ensure_running()
+
+
+def private_dir() -> tuple[str, int]:
+    """A new folder only this user can open, and the descriptor of its owner lock, held while it is in use.
+
+    The lock is taken before the lock file gets its name, so no one ever sees the folder unlocked."""
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX)
+    fd = os.open(os.path.join(path, OWNER + ".new"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(os.path.join(path, OWNER + ".new"), os.path.join(path, OWNER))
+    return path, fd
+
+
+def remove_abandoned_dirs() -> None:
+    """Remove the cluster folders whose owner is gone (killed before it could remove them)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), DIR_PREFIX + "*")):
+        try:
+            fd = os.open(os.path.join(path, OWNER), os.O_RDWR)
+        except OSError:  # not ours, or made by an older version: left alone
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # locked: in use
+            pass
+        finally:
+            os.close(fd)
+
+
+def clean_up_after_kernel(kernel_pid: int) -> None:
+    """Run by the server as it exits: kill its children's process groups (each rank and what it started),
+    and once the kernel is gone, remove its cluster folders and multiprocessing's folder for this server."""
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while os.getppid() == kernel_pid and time.monotonic() < deadline:  # its descriptors close as it dies
+        time.sleep(0.01)
+    if os.getppid() == kernel_pid:  # the server stopped for another reason: the kernel still uses its folders
+        return
+    remove_abandoned_dirs()
+    address = getattr(forkserver._forkserver, "_forkserver_address", None)
+    if isinstance(address, str) and os.path.basename(os.path.dirname(address)).startswith("pymp-"):
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux; elsewhere none are found)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+    return found

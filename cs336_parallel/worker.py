@@ -1,9 +1,14 @@
 """The rank side of a `Cluster`: one process per rank, started by the kernel through a forkserver.
 
 A worker joins the process group, then serves requests from the kernel over a pipe until told to
-stop: run a shipped function, or execute a `%%ranks` cell in its persistent namespace. Its stdout
-and stderr go to files the kernel reads; SIGUSR1 dumps its Python stack for the kernel's timeout
-report. It dies with its parent (parent-death signal) and when the kernel's end of the pipe closes.
+stop: run a shipped function, or execute a `%%ranks` cell in its persistent namespace. Every request
+carries an id that its reply echoes, so the kernel never takes one call's reply for another's. Its
+stdout and stderr are pipes the kernel reads while the call runs; SIGUSR1 dumps its Python stack for
+the kernel's timeout report. It leads a process group of its own, so what it starts dies with it; it
+dies with its parent (parent-death signal) and when the kernel's end of the pipe closes.
+
+The group meets through a file store in the cluster's private folder: nothing listens on the network
+but gloo's own connections between ranks, on the loopback interface.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import traceback
@@ -33,6 +39,8 @@ import torch._dynamo  # noqa: F401 - imported here, once per server, not by ever
 import torch.distributed as dist
 
 from . import integrity
+
+HEADER = struct.Struct("<Q")  # every message starts with the id of the request it belongs to (0: none)
 
 # Warnings that say nothing to a learner about their own code.
 _HARMLESS_WARNINGS = [
@@ -96,12 +104,11 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _capture_output(out_path: str, err_path: str) -> None:
-    """Send fds 1 and 2 (Python and C++ alike) to files the kernel reads after each call."""
-    for fd, path in ((1, out_path), (2, err_path)):
-        file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(file_fd, fd)
-        os.close(file_fd)
+def _capture_output(out, err) -> None:
+    """Send fds 1 and 2 (Python and C++ alike) to the pipes the kernel reads."""
+    for fd, pipe in ((1, out), (2, err)):
+        os.dup2(pipe.fileno(), fd)
+        pipe.close()
     sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True, write_through=True)
     warnings.showwarning = _show_warning
@@ -131,10 +138,16 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, header: bytes = b"") -> bytes:
+    """`obj` pickled for the other side, after `header` (a message's request id)."""
     buffer = io.BytesIO()
+    buffer.write(header)
     _Pickler(buffer).dump(obj)
     return buffer.getvalue()
+
+
+def send(conn, request_id: int, message: tuple) -> None:
+    conn.send_bytes(dumps(message, HEADER.pack(request_id)))
 
 
 def run_cell(namespace: dict, source: str, filename: str) -> None:
@@ -149,48 +162,55 @@ def run_cell(namespace: dict, source: str, filename: str) -> None:
             print(repr(value))
 
 
-def main(rank: int, world_size: int, backend: str, store_port: int, conn, files: dict[str, str],
+def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, err, stack_path: str,
          pg_timeout_s: float, check_integrity: bool = False) -> None:
     """Entry point of a rank (the target of the kernel's `multiprocessing.Process`).
 
     With `check_integrity` (the clusters that tests run on), the rank remembers the functions tests rely
     on before it serves anything, and after each request it refuses to go on if the code it ran replaced
     one of them (`integrity`): it reports which, and exits."""
+    os.setsid()  # a process group of its own: the kernel kills it and everything it started at once
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt stops
-    _capture_output(files["out"], files["err"])
-    stack_file = open(files["stack"], "a")
+    _capture_output(out, err)
+    stack_file = open(stack_path, "a")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     for pattern in _HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which raises it
-        conn.send_bytes(dumps(("failed", Failure.from_exception(exc))))
+        send(conn, 0, ("failed", Failure.from_exception(exc)))
         return
     if check_integrity:
         integrity.snapshot()
-    conn.send_bytes(dumps(("ready", {"pid": os.getpid(), "backend": backend, "device": str(device),
-                                     "main_thread": threading.get_ident()})))
+    world = dist.group.WORLD
+    pid = os.getpid()
+    send(conn, 0, ("ready", {"pid": pid, "backend": backend, "device": str(device),
+                             "main_thread": threading.get_ident()}))
 
     namespace = {"torch": torch, "dist": dist, "rank": rank, "world_size": world_size,
                  "device": device, "__name__": "__main__"}
     while True:
         try:
-            request = cloudpickle.loads(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):  # the kernel went away
             break
-        if request[0] == "close":
-            break
+        (request_id,) = HEADER.unpack_from(message)
         try:
+            request, message = cloudpickle.loads(memoryview(message)[HEADER.size:]), None
+            if request[0] == "close":
+                break
             if request[0] == "call":
                 _, fn, args, kwargs = request
                 reply = ("ok", fn(*args, **kwargs))
@@ -200,18 +220,23 @@ def main(rank: int, world_size: int, backend: str, store_port: int, conn, files:
                 reply = ("ok", run_cell(namespace, source, filename))
         except BaseException as exc:  # noqa: BLE001
             reply = ("error", Failure.from_exception(exc))
+        if os.getpid() != pid:  # a process the code forked came back here: only the rank itself replies
+            os._exit(0)
         tampered = integrity.changes() if check_integrity else []
         if tampered:
             reply = ("error", Failure.from_exception(integrity.TamperingError(
                 f"the code that ran on rank {rank} replaced {', '.join(tampered[:3])}"
                 f"{' and more' if len(tampered) > 3 else ''}, which tests rely on; this rank stops.")))
+        group_intact = dist.is_initialized() and dist.group.WORLD is world
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            payload = dumps(reply)
+            payload = dumps((*reply, group_intact), HEADER.pack(request_id))
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
             payload = dumps(("error", Failure.from_exception(
-                TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}"))))
+                TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}")), group_intact),
+                HEADER.pack(request_id))
+        request = reply = None  # free what the call used before waiting for the next
         conn.send_bytes(payload)
         if tampered:
             os._exit(3)

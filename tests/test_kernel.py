@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -178,6 +180,24 @@ def test_interrupt_stops_every_rank_within_2s_and_the_kernel_stays_usable(kernel
     assert wait_gone(pids, timeout=2) == []
     out, content = kernel.execute("%%ranks\nrank")
     assert content["status"] == "ok" and out.splitlines() == ["[rank 0] 0", "[rank 1] 1"]
+
+
+def test_ranks_output_streams_into_the_cell_while_it_runs(kernel, tmp_path):
+    """A learner watching a long cell sees its progress, not everything at the end."""
+    flag = tmp_path / "go"
+    kernel.start_cluster(2)
+    kernel.kc.execute(f"%%ranks --timeout 30\nimport os, time\nprint('waiting', rank, flush=True)\n"
+                      f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\nprint('released', rank)")
+    seen = ""
+    deadline = time.monotonic() + 15
+    while "[rank 1] waiting 1" not in seen and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            msg = kernel.kc.get_iopub_msg(timeout=0.5)
+            if msg["msg_type"] == "stream":
+                seen += msg["content"]["text"]
+    flag.touch()
+    reply = kernel.kc.get_shell_msg(timeout=30)
+    assert "[rank 0] waiting 0\n[rank 1] waiting 1" in seen and reply["content"]["status"] == "ok"
 
 
 def children(pid: int) -> dict[int, str]:
