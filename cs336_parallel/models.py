@@ -124,20 +124,29 @@ class MoE(nn.Module):
 
     Every expert runs, on no tokens if none reached it, so every parameter gets a gradient (zero if
     unused). Experts are `MLP`s seeded `seed + 1 + e`; the router is `nn.Linear(dim, E, bias=False)`.
+
+    Shared experts (DeepSeekMoE, Dai et al. 2024; DeepSeek-V3 has 1 beside 256 routed ones): with
+    `num_shared > 0`, every token also goes through `shared_experts`, unweighted and never dropped, and its
+    output is added. Like DeepSeek-V3's code, the shared experts are one `MLP` whose hidden size is
+    `num_shared` times an expert's (seeded `seed + 1 + E`, so the routed part is the same with or without).
     """
 
     def __init__(self, dim: int, num_experts: int, *, k: int = 1, hidden: int | None = None,
-                 capacity_factor: float | None = None, bias: bool = True, seed: int = 0):
+                 capacity_factor: float | None = None, bias: bool = True, num_shared: int = 0, seed: int = 0):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if not 1 <= k <= num_experts:
             raise ValueError(f"k must be between 1 and num_experts ({num_experts}), got {k}")
+        if num_shared < 0:
+            raise ValueError(f"num_shared must be >= 0, got {num_shared}")
         expert_capacity(1, num_experts, k, capacity_factor)  # validates capacity_factor
         self.num_experts, self.k, self.capacity_factor = num_experts, k, capacity_factor
         with seeded(seed):
             self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(dim, hidden, bias=bias, seed=seed + 1 + e) for e in range(num_experts))
+        self.shared_experts = (MLP(dim, num_shared * (hidden or 4 * dim), bias=bias, seed=seed + 1 + num_experts)
+                               if num_shared else None)
 
     def route(self, x: Tensor) -> Routing:
         """Route the tokens of `x` (..., D): probabilities, top-k choices, weights, and which were kept."""
@@ -159,4 +168,6 @@ class MoE(nn.Module):
             token, choice = torch.nonzero((routing.indices == e) & routing.kept, as_tuple=True)  # token order
             y = expert(flat[token])  # (tokens kept by expert e, D)
             out = out.index_add(0, token, routing.weights[token, choice, None] * y)
+        if self.shared_experts is not None:  # every token, unweighted
+            out = out + self.shared_experts(flat)
         return out.view_as(x)

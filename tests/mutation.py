@@ -129,8 +129,11 @@ def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
     """The tricks any exercise can be tried with: patched checks (in the kernel, or while the answer runs),
     names a test might use shadowed, and a result that claims to equal anything."""
     patched_in_call = textwrap.indent(_PATCHES, "    ")
-    if ex.is_class:
-        in_call = (f"class {ex.name}(torch.nn.Module):\n    def __init__(self, *args, **kwargs):\n"
+    if ex.is_class:  # when the test builds one, or asks for an alternate constructor (`from_linear`)
+        in_call = (f"class _Patching(type(torch.nn.Module)):\n    def __getattr__(cls, name):\n"
+                   f"        if not name.startswith('_'):\n{textwrap.indent(_PATCHES, '            ')}"
+                   f"        raise AttributeError(name)\n\n\n"
+                   f"class {ex.name}(torch.nn.Module, metaclass=_Patching):\n    def __init__(self, *args, **kwargs):\n"
                    f"        super().__init__()\n{textwrap.indent(_PATCHES, '        ')}")
     else:
         in_call = f"def {ex.name}(*args, **kwargs):\n{patched_in_call}    return None\n"

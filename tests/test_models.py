@@ -102,7 +102,7 @@ def test_moe_is_deterministic_by_seed_and_checks_its_arguments():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.experts[0].fc1.weight, a.experts[1].fc1.weight)  # experts differ
     assert a.router.bias is None and a.router.weight.shape == (4, 8)
-    for kwargs in [{"k": 0}, {"k": 5}, {"capacity_factor": 0.0}, {"capacity_factor": -1.0}]:
+    for kwargs in [{"k": 0}, {"k": 5}, {"capacity_factor": 0.0}, {"capacity_factor": -1.0}, {"num_shared": -1}]:
         try:
             models.MoE(8, 4, **kwargs)
         except ValueError as e:
@@ -110,3 +110,15 @@ def test_moe_is_deterministic_by_seed_and_checks_its_arguments():
         else:
             raise AssertionError(f"MoE(8, 4, **{kwargs}) should raise ValueError")
     assert models.expert_capacity(10, 4, 2, None) == 10 and models.expert_capacity(10, 4, 2, 1.0) == 5
+
+
+def test_shared_experts_add_one_mlp_for_every_token_to_the_same_routed_layer():
+    routed = models.MoE(8, 4, k=2, hidden=16, capacity_factor=0.5, seed=2)
+    moe = models.MoE(8, 4, k=2, hidden=16, capacity_factor=0.5, num_shared=2, seed=2)
+    assert routed.shared_experts is None and moe.shared_experts.fc1.out_features == 2 * 16
+    x = torch.randn(12, 8, requires_grad=True)
+    assert not moe.route(x).kept.all()  # some tokens are dropped by the routed experts, never by the shared ones
+    y = moe(x)
+    torch.testing.assert_close(y, routed(x) + moe.shared_experts(x), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.shared_experts.parameters())

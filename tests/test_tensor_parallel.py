@@ -95,3 +95,19 @@ def test_pictures_draw_and_plots_label_their_axes(make, plot):
             assert all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes)
     finally:
         plt.close(fig)
+
+
+def test_a_tensor_result_keeps_its_autograd_graph_and_a_subclass_is_refused():
+    """Tests backpropagate through what an exercise returns (ring attention, routing weights, dispatched rows)."""
+    x = torch.ones(3, requires_grad=True)
+    y = checks.plain((x * 2, {"rows": x + 1}))
+    (y[0].sum() + y[1]["rows"].sum()).backward()
+    assert x.grad.tolist() == [3.0, 3.0, 3.0]
+    assert checks.plain(nn.Parameter(torch.ones(2))).requires_grad is False
+
+    class Sneaky(torch.Tensor):
+        def __eq__(self, other):
+            return True
+
+    with pytest.raises(checks.NotPlainError):
+        checks.plain(torch.ones(2).as_subclass(Sneaky))
