@@ -30,6 +30,7 @@ MODULES = (
     "cs336_parallel", "cs336_parallel.checks", "cs336_parallel.cluster", "cs336_parallel.worker",
     "cs336_parallel.errors", "cs336_parallel.integrity", "cs336_parallel.testcell", "cs336_parallel.trace",
     "cs336_parallel.models", "cs336_parallel.memory", "cs336_parallel.schedules",
+    "cs336_parallel.planning", "cs336_parallel.checkpoint",
 )
 # What the kernel itself swaps for each cell it runs (ipykernel routes `input()` to the front end).
 KERNEL_MACHINERY = {"builtins.input", "builtins.getpass"}
@@ -38,6 +39,8 @@ CLASSES = (
     "torch.Tensor", "torch._C.TensorBase", "torch.nn.Module", "torch.nn.Parameter", "torch.optim.Optimizer",
     "torch._C._distributed_c10d.ProcessGroup", "torch._C._distributed_c10d.Work",
     "torch.utils._python_dispatch.TorchDispatchMode", "fractions.Fraction",
+    "cs336_parallel.planning.Plan", "cs336_parallel.planning.ModelSpec", "cs336_parallel.planning.ClusterSpec",
+    "cs336_parallel.planning.Layout", "cs336_parallel.checkpoint.Shard",
 )
 
 
