@@ -144,7 +144,7 @@ def test_a_blank_notebook_runs_up_to_the_first_exercise_with_rank_output_and_a_p
     for rank in range(4):
         assert f"[rank {rank}] I am rank {rank} of 4" in text  # grouped per-rank output, in the cell
     assert page.locator(f"{NOTEBOOK} .jp-OutputArea-output img").count() >= 1  # the hierarchy chart
-    assert "`shard_range` is an exercise still to be filled in" in text  # Run All stops here, and says why
+    assert "`shard_range` is not implemented yet" in text  # Run All stops at its first test, and says why
 
 
 def test_the_collectives_notebook_shows_every_collective_per_rank(open_notebook):
@@ -153,7 +153,7 @@ def test_the_collectives_notebook_shows_every_collective_per_rank(open_notebook)
     text = outputs(page)
     assert "[rank 3] all_to_all" in text and "[rank 0] broadcast" in text
     assert page.locator(f"{NOTEBOOK} .jp-OutputArea-output img").count() >= 2  # the gallery, the ring steps
-    assert "`ring_reduce_scatter` is an exercise still to be filled in" in text
+    assert "`ring_reduce_scatter` is not implemented yet" in text
 
 
 def test_a_solved_notebook_runs_top_to_bottom_without_errors(open_notebook):
