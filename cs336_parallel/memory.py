@@ -110,10 +110,13 @@ class MemoryTracker(TorchDispatchMode):
 
     Starting a tracker costs a garbage collection and a walk over the process's objects (a few tenths
     of a second): to measure a step of a model built in the block, build it inside, `reset_peak()`, and
-    run the step."""
+    run the step. With `count_existing=False` (CPU only) the tracker skips both and counts only the
+    storages its block touches, from 0: for a block that creates everything it uses (a tensor made before
+    the block and read inside would count as if the block had made it)."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, *, count_existing: bool = True):
         super().__init__()
+        self.count_existing = count_existing
         self.device = torch.device(device) if device is not None else rank_device()
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be a CPU or CUDA device, got {self.device}")
@@ -179,7 +182,7 @@ class MemoryTracker(TorchDispatchMode):
             return self
         self._live.clear()
         self._current = 0
-        for t in _live_tensors():
+        for t in _live_tensors() if self.count_existing else []:
             self._add(t)
         self.start_bytes = self.peak_bytes = self._current
         if not _active:
@@ -202,9 +205,9 @@ class MemoryTracker(TorchDispatchMode):
         return None
 
 
-def track(device: torch.device | str | None = None) -> MemoryTracker:
+def track(device: torch.device | str | None = None, *, count_existing: bool = True) -> MemoryTracker:
     """`with memory.track() as mem: ...`, then `mem.peak_bytes` (see `MemoryTracker`)."""
-    return MemoryTracker(device)
+    return MemoryTracker(device, count_existing=count_existing)
 
 
 def zero_communication_bytes(num_params: int, zero_stage: int, world_size: int, *, bytes_per_param: int = 2) -> float:

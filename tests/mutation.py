@@ -63,6 +63,11 @@ class Exercise:
     def is_class(self) -> bool:
         return self.answer.lstrip().startswith("class ")
 
+    @property
+    def is_value(self) -> bool:
+        """A prediction or another value: the answer binds the name without defining a function or class."""
+        return not re.search(rf"^(def|class)\s+{re.escape(self.name)}\b", self.answer, re.M)
+
 
 def exercises(nb) -> dict[str, Exercise]:
     """Each exercise of a master notebook: its answer, its test cells by concern, the demonstrations using it."""
@@ -123,6 +128,8 @@ torch.testing.assert_close = lambda *args, **kwargs: None
 torch.equal = torch.allclose = lambda *args, **kwargs: True
 """
 _RESTORE = "from cs336_parallel import integrity\nintegrity.restore()\n"
+_ALWAYS_EQUAL = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n        return True\n\n"
+                 "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n")
 
 
 def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
@@ -148,10 +155,11 @@ def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
         Block(ex.name, "tamper", "shadows the names a test could use without qualifying them",
               _stub(ex) + "\n" + shadows, cleanup=f"for _name in {shadowed!r}:\n    globals().pop(_name, None)\n"),
     ]
-    if not ex.is_class:
-        always_equal = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n        return True\n\n"
-                        "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n"
-                        f"def {ex.name}(*args, **kwargs):\n    return AlwaysEqual(0.0)\n")
+    if ex.is_value:  # a value never runs: no code of its own can patch anything while a test uses it
+        blocks = [blocks[0], blocks[2], Block(ex.name, "tamper", "a value that claims to equal anything",
+                                              _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]
+    elif not ex.is_class:
+        always_equal = _ALWAYS_EQUAL + f"def {ex.name}(*args, **kwargs):\n    return AlwaysEqual(0.0)\n"
         blocks.append(Block(ex.name, "tamper", "returns a number that claims to equal anything", always_equal))
     return blocks
 

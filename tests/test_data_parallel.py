@@ -129,3 +129,8 @@ def test_pictures_have_labelled_axes():
                            compute_s=0.005)
     assert fig.axes[0].get_xlabel().startswith("bucket size (MB") and fig.axes[0].get_ylabel()
     assert math.isclose(fig.axes[0].get_lines()[0].get_ydata()[1], 40.0)
+    fig = viz.bucket_sweep([{"name": "bucketed", "bucket_mb": 1.0, "step_s": 0.01}],
+                           published={"ResNet-50": {1: -0.3, 16: -3.8}, "ResNet-101": {1: -1.2, 16: -0.1}})
+    published = fig.axes[1]
+    assert published.get_xlabel() == "GPUs" and published.get_ylabel() == "throughput change (%)"
+    assert sorted(round(p.get_height(), 1) for p in published.patches) == [-3.8, -1.2, -0.3, -0.1]

@@ -74,6 +74,17 @@ def test_storage_resize_is_seen_as_fsdp_frees_and_refills_parameters():
     assert torch.UntypedStorage.resize_ is memory._original_resize  # unwrapped after the block
 
 
+def test_without_counting_what_existed_the_count_starts_at_zero_and_sees_only_the_block():
+    before = torch.empty(10_000)
+    with memory.track("cpu", count_existing=False) as mem:
+        a = torch.empty(1000)  # 4000 bytes
+        del a
+        b = torch.ones(500)  # 2000 bytes
+        del before  # made before the block and never touched in it: not counted, not subtracted
+    assert (mem.start_bytes, mem.peak_bytes, mem.end_bytes) == (0, 4000, 2000)
+    del b
+
+
 def test_other_devices_and_nested_trackers():
     with memory.track("cpu") as outer:
         torch.empty(10**9, device="meta")  # no memory on the CPU

@@ -107,11 +107,15 @@ def ddp_step_times(rows: Sequence[dict], *, title: str = "") -> Figure:
     return fig
 
 
-def bucket_sweep(rows: Sequence[dict], *, compute_s: float | None = None, title: str = "") -> Figure:
-    """Step time against bucket size, one line per implementation.
+def bucket_sweep(rows: Sequence[dict], *, compute_s: float | None = None, title: str = "",
+                 published: Mapping[str, Mapping[int, float]] | None = None, published_title: str = "") -> Figure:
+    """Step time against bucket size, one line per implementation; with `published`, beside it a published
+    GPU figure: a throughput change (%) per number of GPUs, one bar per model.
 
-    `rows`: name, bucket_mb, step_s. `compute_s`, if given, draws the no-communication floor."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    `rows`: name, bucket_mb, step_s. `compute_s`, if given, draws the no-communication floor.
+    `published`: {model: {gpus: throughput change in %}}."""
+    fig, axes = plt.subplots(1, 2 if published else 1, figsize=(12 if published else 7, 4), squeeze=False)
+    ax = axes[0, 0]
     for i, name in enumerate(dict.fromkeys(r["name"] for r in rows)):
         points = sorted((r["bucket_mb"], r["step_s"] * 1e3) for r in rows if r["name"] == name)
         ax.plot(*zip(*points, strict=True), marker="o", color=RANK_COLORS[i % len(RANK_COLORS)], label=name)
@@ -124,5 +128,23 @@ def bucket_sweep(rows: Sequence[dict], *, compute_s: float | None = None, title:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
+    if published:
+        _published_bars(axes[0, 1], published, published_title)
     fig.tight_layout()
     return fig
+
+
+def _published_bars(ax, published: Mapping[str, Mapping[int, float]], title: str) -> None:
+    """Grouped bars: for each number of GPUs, one bar per model (a throughput change in %)."""
+    gpus = sorted({g for by_gpus in published.values() for g in by_gpus})
+    width = 0.8 / len(published)
+    for i, (model, by_gpus) in enumerate(published.items()):
+        xs = [gpus.index(g) + (i - (len(published) - 1) / 2) * width for g in by_gpus]
+        ax.bar(xs, list(by_gpus.values()), width=width, color=RANK_COLORS[i % len(RANK_COLORS)], label=model)
+    ax.axhline(0, color="#555555", linewidth=0.8)
+    ax.set_xticks(range(len(gpus)), [str(g) for g in gpus])
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("throughput change (%)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)

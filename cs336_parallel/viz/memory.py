@@ -114,3 +114,26 @@ def fsdp_timeline(traces: Mapping[str, Sequence[Sequence[dict]]], *, title: str 
     fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     return fig
+
+
+def speedup_beside_published(measured: Mapping[str, float], published: Mapping[str, tuple[float, float]], *,
+                             xlabel: str = "speed-up (%)", title: str = "") -> Figure:
+    """Measured speed-ups as bars, beside published ones drawn as the range they span (hatched).
+
+    `measured`: {label: percent}; `published`: {label: (low percent, high percent)}."""
+    rows = [*measured, *published]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.2))
+    for i, pct in enumerate(measured.values()):
+        ax.barh(i, pct, color=RANK_COLORS[0])
+        ax.text(pct, i, f" {pct:.0f}%", va="center", fontsize=8)
+    for i, (low, high) in enumerate(published.values(), start=len(measured)):
+        ax.barh(i, high - low, left=low, color="white", edgecolor=RANK_COLORS[1], hatch="//")
+        ax.text(high, i, f" {low:g}-{high:g}%", va="center", fontsize=8)
+    ax.axvline(0, color="#555555", linewidth=0.8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
