@@ -20,12 +20,12 @@ NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment men
 NOTEBOOKS ?= notebooks
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
-.PHONY: lab test chromium notebooks grade lint clean
+.PHONY: lab test chromium sandbox notebooks grade lint clean
 
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
 
-test: $(READY) chromium
+test: $(READY) chromium sandbox
 	$(BIN)/python -m pytest $(ARGS)
 
 # The browser tests drive Debian's Chromium; without it (and without the rights to install it) they are skipped.
@@ -35,6 +35,15 @@ chromium:
 	    { $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
 	      { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "Chromium is not installed and could not be installed here: the browser tests will be skipped."
+
+# Autograding runs each submission in a bubblewrap sandbox (grading/README.md): Debian's bubblewrap. Without it,
+# the grading tests grade without isolation (tests/conftest.py) and the isolation tests are skipped.
+sandbox:
+	@command -v bwrap >/dev/null || \
+	  { command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
+	    { $(SUDO) apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	      { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "bubblewrap is not installed and could not be installed here: submissions are graded without isolation."
 
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors)
 	$(BIN)/python grading/course.py release
