@@ -34,7 +34,7 @@ from nbgrader.preprocessors.execute import UnresponsiveKernelError
 from traitlets import Enum
 from traitlets.config import Config
 
-from grading import sandbox
+from grading import cgroup, sandbox
 from grading.cgroup import MemoryLimit
 
 
@@ -136,15 +136,14 @@ class LimitedExecute(Execute):
         try:
             cell, resources = super().preprocess_cell(cell, resources, index)
         except (DeadKernelError, CellTimeoutError) as e:
-            self.stop(self.stopped or self.death_reason(e))
-            cell.outputs.append(limit_error(self.stopped))
+            self.stop(self.wall_clock_reason() if time.monotonic() >= self.deadline else self.death_reason(e))
+            cell.outputs = [o for o in cell.outputs if o.output_type != "error"] + [limit_error(self.stopped)]
             return cell, resources
-        if self.stopped:  # the output limit, while this cell ran
-            cell.outputs.append(limit_error(self.stopped))
-        elif time.monotonic() >= self.deadline and any(o.get("ename") == "CellTimeoutError" for o in cell.outputs):
+        if not self.stopped and time.monotonic() >= self.deadline and any(
+                o.get("ename") == "CellTimeoutError" for o in cell.outputs):
             self.stop(self.wall_clock_reason())
-            cell.outputs = [o for o in cell.outputs if o.get("ename") != "CellTimeoutError"]
-            cell.outputs.append(limit_error(self.stopped))
+        if self.stopped:  # a limit stopped this cell: its own error (timeout, interrupt) says less than ours
+            cell.outputs = [o for o in cell.outputs if o.output_type != "error"] + [limit_error(self.stopped)]
         return cell, resources
 
     def process_message(self, msg, cell, cell_index):
@@ -203,6 +202,30 @@ def interrupt_all() -> None:
             executor.stop("grading was interrupted")
 
 
+def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, use_sandbox: bool = True,
+            interrupt: threading.Event | None = None) -> tuple[NotebookNode, str]:
+    """Execute `nb` with its kernel working in box/work, under `limits`: the executed notebook, and the limit
+    that stopped it early ("" if none did). Raises RuntimeError if the kernel does not start."""
+    memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
+    executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
+                              interrupt=interrupt or threading.Event())
+    with _running_lock:
+        _running.add(executor)
+    try:
+        nb, _ = executor.preprocess(nb, {**resources, "metadata": {"path": str(box / "work")}})
+        if not executor.stopped and memory is not None and memory.hit():
+            return nb, f"a process of the notebook passed its memory limit of {limits.memory_mb} MB and was stopped"
+        return nb, executor.stopped
+    except UnresponsiveKernelError:  # the kernel did not start: the grader's problem, not the student's
+        log = (box / "k" / "kernel.log").read_text(errors="replace")[-1000:] if (box / "k").exists() else ""
+        raise RuntimeError(f"the kernel did not start: {log.strip() or 'no message'}") from None
+    finally:
+        with _running_lock:
+            _running.discard(executor)
+        if memory is not None:
+            memory.close()
+
+
 def run(job: Job, results: Path, config: Config, db_url: str, limits: Limits, use_sandbox: bool = True,
         interrupt: threading.Event | None = None) -> Run | None:
     """Execute one submission in a private folder and save the executed notebook under `results`. Returns
@@ -211,34 +234,17 @@ def run(job: Job, results: Path, config: Config, db_url: str, limits: Limits, us
     if interrupt.is_set():
         return None
     started = time.monotonic()
-    record = Run(job.assignment, job.student, job.key(), sandbox="bubblewrap" if use_sandbox else "none")
+    record = Run(job.assignment, job.student, job.key(), sandbox="bubblewrap" if use_sandbox else "none",
+                 memory_limit=bool(limits.memory_mb) and cgroup.unavailable() is None)
     box = Path(sandbox._short_tempdir())
-    memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
-    record.memory_limit = memory is not None
+    nb = None
     try:
         shutil.copytree(job.folder, box / "work")
         nb, resources = sanitized(job, config, db_url)
-        resources["metadata"] = {"path": str(box / "work")}
-        executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
-                                  interrupt=interrupt)
-        with _running_lock:
-            _running.add(executor)
-        try:
-            nb, _ = executor.preprocess(nb, resources)
-        except UnresponsiveKernelError:  # the kernel did not start: the grader's problem, not the student's
-            log = (box / "k" / "kernel.log").read_text(errors="replace")[-1000:]
-            record.error = f"the kernel did not start: {log.strip() or 'no message'}"
-        finally:
-            with _running_lock:
-                _running.discard(executor)
-        record.limit = executor.stopped
-        if not executor.stopped and memory is not None and memory.hit():
-            record.limit = f"a process of the notebook passed its memory limit of {limits.memory_mb} MB and was stopped"
+        nb, record.limit = execute(nb, resources, box, config, limits, use_sandbox, interrupt)
     except Exception as e:  # noqa: BLE001 - one submission's problem must not stop the class
-        record.error = f"{type(e).__name__}: {e}"
+        record.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
     finally:
-        if memory is not None:
-            memory.close()
         shutil.rmtree(box, ignore_errors=True)
     if interrupt.is_set():
         return None

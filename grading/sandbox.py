@@ -85,7 +85,7 @@ def bwrap_args(box: Path, env: dict[str, str]) -> list[str]:
         args += ["--ro-bind", str(path), str(path)]
     for sub in ("work", "k"):
         args += ["--bind", str(box / sub), str(box / sub)]
-    args += ["--chdir", str(box / "work"), "--clearenv"]
+    args += ["--remount-ro", "/", "--chdir", str(box / "work"), "--clearenv"]  # the rest of the tree: read-only
     for key, value in env.items():
         args += ["--setenv", key, value]
     return [*args, "--"]
