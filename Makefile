@@ -67,4 +67,5 @@ $(READY): pyproject.toml
 	touch $@
 
 clean:
-	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db
+	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
+	  grading/executed grading/report

@@ -2,7 +2,8 @@
 
     python grading/course.py release [ASSIGNMENT ...]   # student notebooks -> notebooks/ (from grading/source)
     python grading/course.py collect SUBMISSIONS        # SUBMISSIONS/<student>/<assignment>.ipynb -> grading/submitted
-    python grading/course.py autograde [ASSIGNMENT ...] [--jobs N] [--student S] # every submission, isolated
+    python grading/course.py autograde [ASSIGNMENT ...] # every submission in a sandbox, --jobs N at a time;
+                                                        # --student S regrades one; scores + report/
     python grading/course.py feedback [ASSIGNMENT ...]  # one HTML report per student and notebook
     python grading/course.py export [grades.csv]        # every score, one row per student and assignment
     python grading/course.py selfgrade notebooks/01_collectives.ipynb   # a learner grades their own work

@@ -163,8 +163,8 @@ class SandboxedKernelManager(AsyncKernelManager):
         kw.update(stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(self.workdir))
         if self.sandbox:
             kw["env"] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # bwrap's own; the kernel's is set inside
-        else:
-            kw["env"] = kernel_env(self.workdir)
+        else:  # without a sandbox, the kernel ends itself if the grader dies (ipykernel's parent poller)
+            kw["env"] = {**kernel_env(self.workdir), "JPY_PARENT_PID": str(os.getpid())}
         try:
             await super()._async_launch_kernel(kernel_cmd, **kw)
         finally:
