@@ -18,10 +18,12 @@ import compileall
 import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -102,27 +104,47 @@ def check_sandbox(use_sandbox: bool) -> None:
                          "(course.autograde(..., sandbox=False)).")
 
 
+@contextmanager
+def ctrl_c(pressed: threading.Event | None = None) -> Iterator[threading.Event]:
+    """While grading, Ctrl-C sets `pressed` (a new event if None) instead of raising wherever the grader happens
+    to be (nbgrader's API turns a KeyboardInterrupt into an error of the submission it was scoring); the
+    grader stops at its next check. Outside the main thread, Ctrl-C raises as usual."""
+    pressed = pressed or threading.Event()
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    except ValueError:  # not the main thread
+        yield pressed
+        return
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def execute(jobs: list[Job], root: Path, config: Config, *, parallel: int, limits: Limits, use_sandbox: bool,
-            results: Path, done: Callable[[Job, Run], None] = lambda job, run: None) -> None:
+            results: Path, done: Callable[[Job, Run], None] = lambda job, run: None,
+            pressed: threading.Event | None = None) -> None:
     """Run `jobs`, `parallel` at a time; `done(job, run)` is called in this thread as each one finishes.
-    Ctrl-C stops every running notebook (nothing of theirs is saved) and raises `Interrupted`."""
+    Ctrl-C (or `pressed` set) stops every running notebook, keeps nothing of theirs and raises `Interrupted`."""
     if not jobs:
         return
     check_sandbox(use_sandbox)
     # The package is read-only in the sandbox: compile it here, once, rather than in every kernel and rank.
     compileall.compile_dir(Path(cs336_parallel.__file__).parent, quiet=1)
     stop = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="cs336-grading-") as tmp:
+    with ctrl_c(pressed) as pressed, tempfile.TemporaryDirectory(prefix="cs336-grading-") as tmp:
         db_url = gradebook_snapshot(root, Path(tmp))
         pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(jobs))), thread_name_prefix="grade")
         pending = {pool.submit(runner.run, job, results, config, db_url, limits, use_sandbox, stop): job
                    for job in jobs}
         try:
-            while pending:
-                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while pending and not pressed.is_set():
+                finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 for future in finished:
                     job = pending.pop(future)
                     done(job, future.result())
+            if pending:
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             stop.set()
             runner.interrupt_all()
@@ -256,11 +278,15 @@ def autograde(names: list[str], root: Path, *, jobs: int | None = None, students
         else:
             score_one(job)
 
-    for job in to_score:
-        score_one(job)
     try:
-        execute(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root), limits=limits or Limits(),
-                use_sandbox=_sandbox_wanted(use_sandbox), results=results, done=done)
+        with ctrl_c() as pressed:
+            for job in to_score:
+                if pressed.is_set():
+                    raise Interrupted("stopped while scoring: run the same command again to go on from there")
+                score_one(job)
+            execute(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root),
+                    limits=limits or Limits(), use_sandbox=_sandbox_wanted(use_sandbox), results=results, done=done,
+                    pressed=pressed)
     finally:
         bar.close()
     if problems:
