@@ -70,7 +70,7 @@ def main(args=None) -> None:
     print(f"  identical scores: {'yes' if same else 'NO'}")
     print(f"  throughput with --jobs 2: {per_core_hour:.0f} notebooks per core-hour "
           f"(serial: {SUBMISSIONS / (times[1] * cores / 3600):.0f} per core-hour of this machine)")
-    print(f"  projection: {CLASS} students x {NOTEBOOKS} notebooks on {CORES} cores: {hours:.1f} h "
-          f"(serial on this machine: {CLASS * NOTEBOOKS * times[1] / SUBMISSIONS / 3600:.1f} h)")
+    print(f"  projection: {CLASS} students x {NOTEBOOKS} notebooks on {CORES} cores: {hours * 60:.0f} min "
+          f"(one at a time on this machine: {CLASS * NOTEBOOKS * times[1] / SUBMISSIONS / 3600:.1f} h)")
     if not same:
         raise SystemExit("the scores differ between the serial and the parallel run")
