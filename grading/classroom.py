@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +34,7 @@ from traitlets import Unicode
 from traitlets.config import Config
 
 import cs336_parallel
-from grading import runner, sandbox
+from grading import cgroup, runner, sandbox
 from grading.runner import Job, Limits, Run
 
 RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
@@ -129,6 +130,8 @@ def execute(jobs: list[Job], root: Path, config: Config, *, parallel: int, limit
     if not jobs:
         return
     check_sandbox(use_sandbox)
+    if limits.memory_mb and (why := cgroup.unavailable()):
+        print(f"Warning: {why}", file=sys.stderr, flush=True)
     # The package is read-only in the sandbox: compile it here, once, rather than in every kernel and rank.
     compileall.compile_dir(Path(cs336_parallel.__file__).parent, quiet=1)
     stop = threading.Event()

@@ -22,7 +22,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import nbformat
@@ -76,7 +76,6 @@ class Run:
     error: str = ""  # why it could not be run at all (then there is no executed notebook)
     sandbox: str = "bubblewrap"  # or "none" (--no-sandbox)
     memory_limit: bool = True  # False where no cgroup could enforce it
-    warnings: list[str] = field(default_factory=list)
 
 
 def result_dir(results: Path, assignment: str, student: str) -> Path:
