@@ -33,21 +33,29 @@ NO_VENV := "$(PYTHON) cannot create a virtual environment (it has no ensurepip).
 NOTEBOOKS ?= notebooks
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
-.PHONY: lab test chromium notebooks grade lint clean
+.PHONY: lab test chromium sandbox notebooks grade lint clean
 
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
 
-test: $(TEST_READY) chromium
+test: $(TEST_READY) chromium sandbox
 	$(BIN)/python -m pytest $(ARGS)
+
+# Installs Debian package $(2) unless one of the commands $(1) exists; where that is not possible, says $(3).
+apt_install = for c in $(1); do command -v $$c >/dev/null && exit 0; done; \
+	{ command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
+	  { $(SUDO) apt-get install -y -q $(2) >/dev/null 2>&1 || \
+	    { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q $(2) >/dev/null 2>&1; }; }; } || \
+	echo "$(3)"
 
 # The browser tests drive Debian's Chromium; without it (and without the rights to install it) they are skipped.
 chromium:
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
-	  { command -v apt-get >/dev/null && export DEBIAN_FRONTEND=noninteractive && \
-	    { $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
-	      { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
-	  echo "Chromium is not installed and could not be installed here: the browser tests will be skipped."
+	@$(call apt_install,chromium chromium-browser,chromium,Chromium is not installed and could not be installed here: the browser tests will be skipped.)
+
+# Autograding runs each submission in a bubblewrap sandbox (grading/README.md): Debian's bubblewrap. Without it,
+# the grading tests grade without isolation (tests/conftest.py) and the isolation tests are skipped.
+sandbox:
+	@$(call apt_install,bwrap,bubblewrap,bubblewrap is not installed and could not be installed here: submissions are graded without isolation.)
 
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors); FORCE=1 overwrites changes
 	$(BIN)/python grading/course.py release $(if $(FORCE),--force)
@@ -76,4 +84,5 @@ $(TEST_READY): $(READY)
 	touch $@
 
 clean:
-	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db
+	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
+	  grading/executed grading/report

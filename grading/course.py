@@ -2,13 +2,17 @@
 
     python grading/course.py release [ASSIGNMENT ...]   # student notebooks -> notebooks/ (from grading/source)
     python grading/course.py collect SUBMISSIONS        # SUBMISSIONS/<student>/<assignment>.ipynb -> grading/submitted
-    python grading/course.py autograde [ASSIGNMENT ...] # run the hidden tests on every submission
+    python grading/course.py autograde [ASSIGNMENT ...] # every submission in a sandbox, --jobs N at a time;
+                                                        # --student S regrades one; scores + report/
     python grading/course.py feedback [ASSIGNMENT ...]  # one HTML report per student and notebook
     python grading/course.py export [grades.csv]        # every score, one row per student and assignment
     python grading/course.py selfgrade notebooks/01_collectives.ipynb   # a learner grades their own work
 
+On a cluster (grading/slurm/autograde.sbatch): `prepare`, then one `execute --shard I --shards N` per task of a
+Slurm job array, then `merge`, which scores every result into the gradebook and writes the report.
+
 nbgrader keeps its working folders (release/, submitted/, autograded/, feedback/, gradebook.db) next to
-this file.
+this file; the executed notebooks go to executed/, the class report to report/ (grading/README.md).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from traitlets.config import Config, PyFileConfigLoader
 COURSE = Path(__file__).resolve().parent
 REPO = COURSE.parent
 sys.path.insert(0, str(REPO))  # `grading.verdict` and the package, also when this file runs as a script
-from grading import verdict  # noqa: E402
+from grading import classroom, report, sandbox, verdict  # noqa: E402
+from grading.runner import Limits, Run  # noqa: E402
 
 warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy notices from nbgrader's own queries
 # nbgrader runs tools of its environment (alembic) by name: find them even in a venv that is not activated.
@@ -45,10 +50,11 @@ def assignments(root: Path = COURSE) -> list[str]:
     return sorted(p.name for p in (root / "source").iterdir() if (p / f"{p.name}.ipynb").exists())
 
 
-def api(root: Path = COURSE) -> NbGraderAPI:
-    """nbgrader's API on the course folder `root`, configured by nbgrader_config.py."""
+def api(root: Path = COURSE, extra: Config | None = None) -> NbGraderAPI:
+    """nbgrader's API on the course folder `root`, configured by nbgrader_config.py (and `extra`)."""
     config = PyFileConfigLoader("nbgrader_config.py", path=str(COURSE)).load_config()
     config.merge(Config({"CourseDirectory": {"root": str(root)}, "NbGraderAPI": {"log_level": "ERROR"}}))
+    config.merge(extra or Config())
     return NbGraderAPI(config=config)
 
 
@@ -116,20 +122,28 @@ def collect(submissions: Path, root: Path = COURSE) -> list[tuple[str, str]]:
     return collected
 
 
-def _submissions(root: Path, names: list[str]) -> list[tuple[str, str]]:
-    return [(student.name, name) for name in names
-            for student in sorted((root / "submitted").glob("*")) if (student / name).is_dir()]
-
-
-def autograde(names: list[str] | None = None, root: Path = COURSE) -> None:
-    """Run every submission of the given assignments (all by default), with a progress bar."""
-    from tqdm.auto import tqdm
-
+def prepare(names: list[str] | None = None, root: Path = COURSE) -> None:
+    """Teach the gradebook each assignment's cells (nbgrader generate_assignment), before shards execute."""
     grader = api(root)
-    for name in names or assignments(root):  # the gradebook must know the assignment's cells
+    for name in names or assignments(root):
         _check(grader.generate_assignment(name), f"generate {name}")
-    for student, name in tqdm(_submissions(root, names or assignments(root)), desc="autograding", unit="notebook"):
-        _check(grader.autograde(name, student), f"autograde {student}/{name}")
+
+
+def autograde(names: list[str] | None = None, root: Path = COURSE, *, jobs: int | None = None,
+              students: list[str] | None = None, force: bool = False, limits: Limits | None = None,
+              sandbox: bool | None = None) -> list[Run]:
+    """Grade every submission of the given assignments (all by default), each in a sandbox of its own,
+    `jobs` at a time (default: what the cores allow), with a progress bar; then write the class report.
+
+    Every submission of every named assignment goes into one pool: `autograde(names, root, jobs=2)` grades
+    the whole list in parallel. Submissions already graded in this version are not run again (an
+    interrupted run resumes), except those of `students` (regrade) or all with `force`. `sandbox=False`
+    grades without isolation (None: as CS336_GRADING_SANDBOX says; `required` by default)."""
+    names = names or assignments(root)
+    runs = classroom.autograde(names, root, jobs=jobs, students=students, force=force, limits=limits,
+                               use_sandbox=sandbox)
+    report.write(names, root)
+    return runs
 
 
 def feedback(names: list[str] | None = None, root: Path = COURSE) -> None:
@@ -178,7 +192,8 @@ def selfgrade(notebook: Path) -> list[Score]:
         target.mkdir(parents=True)
         shutil.copy(notebook, target / f"{name}.ipynb")
         print(f"Running {notebook} with the hidden tests (about as long as running it top to bottom)...")
-        autograde([name], root)
+        # A learner's own code on their own machine: isolated where a sandbox runs, else as it is.
+        autograde([name], root, sandbox=sandbox.problem() is None)
         return scores(name, "me", root)
 
 
@@ -193,22 +208,54 @@ def print_table(results: list[Score]) -> None:
     print(f"  total {total:g} / {best:g}")
 
 
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="notebooks at once (default: the cores // the notebooks' largest world size)")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="run submissions WITHOUT isolation (only where no sandbox can run; they can read "
+                             "and write everything you can)")
+    parser.add_argument("--time-limit", type=float, default=defaults.wall_s, help="seconds per notebook")
+    parser.add_argument("--memory-limit", type=int, default=defaults.memory_mb, help="MB per notebook")
+    parser.add_argument("--output-limit", type=float, default=defaults.output_mb, help="MB of output per notebook")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(wall_s=args.time_limit, memory_mb=args.memory_limit, output_mb=args.output_limit)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python grading/course.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--course", type=Path, default=COURSE, help="the course folder (default: grading/)")
     sub = parser.add_subparsers(dest="command", required=True)
     releasing = sub.add_parser("release")
     releasing.add_argument("assignments", nargs="*")
     releasing.add_argument("--force", action="store_true", help="overwrite notebooks that have changes")
     sub.add_parser("collect").add_argument("submissions", type=Path)
-    sub.add_parser("autograde").add_argument("assignments", nargs="*")
+    sub.add_parser("prepare").add_argument("assignments", nargs="*")
+    grade = sub.add_parser("autograde")
+    grade.add_argument("assignments", nargs="*")
+    grade.add_argument("--student", action="append", help="regrade this student only (repeatable)")
+    grade.add_argument("--force", action="store_true", help="regrade every submission, even those already graded")
+    _add_limits(grade)
+    shard = sub.add_parser("execute", help="one task of a Slurm job array: execute a share, write no gradebook")
+    shard.add_argument("assignments", nargs="*")
+    shard.add_argument("--shard", type=int, required=True, help="this task's number, 0..shards-1")
+    shard.add_argument("--shards", type=int, required=True, help="how many tasks share the class")
+    shard.add_argument("--force", action="store_true", help="execute again what already has a result")
+    _add_limits(shard)
+    sub.add_parser("merge", help="score the shards' results into the gradebook").add_argument("assignments", nargs="*")
+    sub.add_parser("report").add_argument("assignments", nargs="*")
     sub.add_parser("feedback").add_argument("assignments", nargs="*")
     sub.add_parser("export").add_argument("to", nargs="?", type=Path, default=COURSE / "grades.csv")
     sub.add_parser("selfgrade").add_argument("notebook", type=Path)
     args = parser.parse_args(argv)
+    root = args.course.resolve()
+    names = getattr(args, "assignments", None) or assignments(root)
     if args.command == "release":
         try:
-            written = release(names=args.assignments, force=args.force)
+            written = release(root, names=args.assignments, force=args.force)
         except LearnerChanges as e:
             written, refusal = e.written, str(e)
         else:
@@ -218,15 +265,34 @@ def main(argv: list[str] | None = None) -> None:
         if refusal:
             sys.exit(refusal)
     elif args.command == "collect":
-        collected = collect(args.submissions)
+        collected = collect(args.submissions, root)
         print(f"collected {len(collected)} notebooks from {len({s for s, _ in collected})} students")
+    elif args.command == "prepare":
+        prepare(names, root)
     elif args.command == "autograde":
-        autograde(args.assignments)
+        try:
+            autograde(names, root, jobs=args.jobs, students=args.student, force=args.force, limits=_limits(args),
+                      sandbox=False if args.no_sandbox else None)
+        except classroom.Interrupted as e:
+            raise SystemExit(str(e)) from None
+        print(f"report in {root / 'report'}")
+    elif args.command == "execute":
+        try:
+            classroom.execute_shard(names, root, api(root).config, shard=args.shard, shards=args.shards,
+                                    parallel=args.jobs, limits=_limits(args),
+                                    use_sandbox=classroom._sandbox_wanted(False if args.no_sandbox else None),
+                                    results=root / classroom.RESULTS, force=args.force)
+        except classroom.Interrupted as e:
+            raise SystemExit(str(e)) from None
+    elif args.command == "merge":
+        print(f"scored {classroom.merge(names, root)} notebooks; report in {report.write(names, root)}")
+    elif args.command == "report":
+        print(f"report in {report.write(names, root)}")
     elif args.command == "feedback":
-        feedback(args.assignments)
-        print(f"feedback in {COURSE / 'feedback'}")
+        feedback(args.assignments, root)
+        print(f"feedback in {root / 'feedback'}")
     elif args.command == "export":
-        print(f"wrote {export(args.to)}")
+        print(f"wrote {export(args.to, root)}")
     else:
         print_table(selfgrade(args.notebook))
 

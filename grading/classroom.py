@@ -1,0 +1,319 @@
+"""Grading a class: every submission run in a sandbox of its own, N at a time, scored by the grader alone.
+
+Two stages, so that only the instructor's process writes the gradebook:
+1. **execute** (`grading/runner.py`): a submission's notebook runs in a sandbox under limits; the executed
+   notebook and run.json land in <course>/executed/<assignment>/<student>/. N run at once, each driven by a
+   thread of the grader (the kernels and ranks are the sandboxes' processes). On Slurm, each task of a job
+   array executes its share (`execute_shard`) into the same folder, on a shared file system.
+2. **score** (`score`): nbgrader's autograde, in the grader's process: it restores the course's cells itself,
+   takes the executed notebook's outputs in place of running it (`Replay`), then runs the course's verdict
+   preprocessors and writes the gradebook.
+A result is reused while its run.json has the same key (the master and the submitted files): a run that was
+interrupted resumes where it stopped; `students=` or `force=` runs submissions again.
+"""
+
+from __future__ import annotations
+
+import compileall
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+import nbformat
+from nbgrader.preprocessors import Execute, NbGraderPreprocessor
+from traitlets import Unicode
+from traitlets.config import Config
+
+import cs336_parallel
+from grading import cgroup, runner, sandbox
+from grading.runner import Job, Limits, Run
+
+RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
+# `%cluster start -n 4`, `checks.run(4, ...)`, `Cluster(4)`: the world sizes a notebook starts.
+WORLD_SIZE = re.compile(r"(?:%cluster start -n |checks\.run\(|Cluster\()\s*(\d+)")
+
+
+class Interrupted(Exception):
+    """Grading was stopped (Ctrl-C); what finished is kept, and the same command resumes."""
+
+
+# -- which submissions, and how many at once --------------------------------------------------------------
+
+def submissions(names: Iterable[str], root: Path, students: Iterable[str] | None = None) -> list[Job]:
+    """Every submitted/<student>/<assignment>/ of the named assignments (of `students` only, if given)."""
+    wanted = set(students) if students else None
+    return [Job(name, folder.name, str(root)) for name in names
+            for folder in sorted((root / "submitted").glob("*"))
+            if (folder / name).is_dir() and (wanted is None or folder.name in wanted)]
+
+
+@cache
+def world_size(master: Path) -> int:
+    """The most ranks the notebook starts at once (its largest `%cluster start -n`, `checks.run(N, ...)`)."""
+    sizes = [int(n) for n in WORLD_SIZE.findall(master.read_text())] if master.exists() else []
+    return max(sizes, default=4)
+
+
+def cores() -> int:
+    """The cores this process may use (under Slurm, those of its allocation)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def default_jobs(names: Iterable[str], root: Path) -> int:
+    """As many notebooks at once as the cores allow, given the largest world size W among them: a notebook's
+    ranks mostly take turns (a collective waits for all of them), so it keeps about W/2 cores busy on average
+    (measured: 1.4 busy cores for a notebook of world size 4 on 2 cores); 2 * cores // W notebooks fill the
+    machine without making a test wait for a core for long. At least 1."""
+    widest = max((world_size(root / "source" / n / f"{n}.ipynb") for n in names), default=4)
+    return max(1, 2 * cores() // widest)
+
+
+# -- stage 1: execute ---------------------------------------------------------------------------------------
+
+def executed(job: Job, results: Path) -> Run | None:
+    """The finished run of this version of the submission, if there is one."""
+    run = runner.load_run(results, job.assignment, job.student)
+    return run if run is not None and not run.error and run.key == job.key() else None
+
+
+def gradebook_snapshot(root: Path, into: Path) -> str:
+    """A copy of the gradebook for the runs to read the course's cells from (the grader writes the original)."""
+    if not (root / "gradebook.db").exists():
+        raise SystemExit(f"{root / 'gradebook.db'} does not exist: run `python grading/course.py prepare "
+                         "ASSIGNMENT` first (nbgrader learns the assignment's cells)")
+    shutil.copy(root / "gradebook.db", into / "gradebook.db")
+    return f"sqlite:///{into / 'gradebook.db'}"
+
+
+def check_sandbox(use_sandbox: bool) -> None:
+    """Stop with a clear message where no sandbox can run, unless grading without one was asked for."""
+    if use_sandbox and (problem := sandbox.problem()):
+        raise SystemExit(f"Submissions cannot be isolated here: {problem}.\nInstall bubblewrap (`make sandbox`), "
+                         "or grade without isolation, at your own risk: `course.py autograde --no-sandbox ...` "
+                         "(course.autograde(..., sandbox=False)).")
+
+
+@contextmanager
+def ctrl_c(pressed: threading.Event | None = None) -> Iterator[threading.Event]:
+    """While grading, Ctrl-C sets `pressed` (a new event if None) instead of raising wherever the grader happens
+    to be (nbgrader's API turns a KeyboardInterrupt into an error of the submission it was scoring); the
+    grader stops at its next check. Outside the main thread, Ctrl-C raises as usual."""
+    pressed = pressed or threading.Event()
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    except ValueError:  # not the main thread
+        yield pressed
+        return
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def execute(jobs: list[Job], root: Path, config: Config, *, parallel: int, limits: Limits, use_sandbox: bool,
+            results: Path, done: Callable[[Job, Run], None] = lambda job, run: None,
+            pressed: threading.Event | None = None) -> None:
+    """Run `jobs`, `parallel` at a time; `done(job, run)` is called in this thread as each one finishes.
+    Ctrl-C (or `pressed` set) stops every running notebook, keeps nothing of theirs and raises `Interrupted`."""
+    if not jobs:
+        return
+    check_sandbox(use_sandbox)
+    if limits.memory_mb and (why := cgroup.unavailable()):
+        print(f"Warning: {why}", file=sys.stderr, flush=True)
+    # The package is read-only in the sandbox: compile it here, once, rather than in every kernel and rank.
+    compileall.compile_dir(Path(cs336_parallel.__file__).parent, quiet=1)
+    stop = threading.Event()
+    with ctrl_c(pressed) as pressed, tempfile.TemporaryDirectory(prefix="cs336-grading-") as tmp:
+        db_url = gradebook_snapshot(root, Path(tmp))
+        pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(jobs))), thread_name_prefix="grade")
+        pending = {pool.submit(runner.run, job, results, config, db_url, limits, use_sandbox, stop): job
+                   for job in jobs}
+        try:
+            while pending and not pressed.is_set():
+                finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    job = pending.pop(future)
+                    done(job, future.result())
+            if pending:
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            stop.set()
+            runner.interrupt_all()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise Interrupted(f"stopped: {len(jobs) - len(pending)} of {len(jobs)} notebooks were executed; "
+                              "run the same command again to go on from there") from None
+        finally:
+            pool.shutdown(wait=True)
+
+
+def execute_shard(names: list[str], root: Path, config: Config, *, shard: int, shards: int, parallel: int | None,
+                  limits: Limits, use_sandbox: bool, results: Path, force: bool = False) -> list[Run]:
+    """One task of a Slurm job array: execute submissions shard, shard + shards, ... of the sorted class
+    (those without a finished result), into `results`. Writes no gradebook: `merge` scores them."""
+    if not 0 <= shard < shards:
+        raise SystemExit(f"--shard must be in 0..{shards - 1}, got {shard}")
+    mine = submissions(names, root)[shard::shards]
+    todo = [job for job in mine if force or executed(job, results) is None]
+    runs: list[Run] = []
+    print(f"shard {shard}/{shards}: {len(mine)} submissions, {len(todo)} to execute", flush=True)
+
+    def finished(job: Job, run: Run) -> None:
+        runs.append(run)
+        status = run.error or run.limit or "ok"
+        print(f"shard {shard}: {job.student}/{job.assignment} in {run.seconds:g} s: {status}", flush=True)
+
+    execute(todo, root, config, parallel=parallel or default_jobs(names, root), limits=limits,
+            use_sandbox=use_sandbox, results=results, done=finished)
+    return runs
+
+
+# -- stage 2: score -----------------------------------------------------------------------------------------
+
+class Replay(NbGraderPreprocessor):
+    """Stands in for Execute when the grader scores: the outputs of the notebook the sandbox ran go onto the
+    cells nbgrader restored here. Only outputs are taken; every cell's source must match, or the result is
+    of another version of the notebook."""
+
+    results = Unicode("", help="the folder of executed notebooks").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        ids = resources["nbgrader"]
+        path = runner.result_dir(Path(self.results), ids["assignment"], ids["student"]) / f"{ids['notebook']}.ipynb"
+        ran = nbformat.read(path, as_version=4)
+        if [(c.cell_type, c.source) for c in ran.cells] != [(c.cell_type, c.source) for c in nb.cells]:
+            raise ValueError(f"{path} was executed from another version of this notebook: execute it again")
+        for cell, result in zip(nb.cells, ran.cells, strict=True):
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = result.outputs, result.execution_count
+        if "language_info" in ran.metadata:
+            nb.metadata["language_info"] = ran.metadata["language_info"]
+        return nb, resources
+
+
+def scoring_config(results: Path) -> Config:
+    """The course's autograde preprocessors, with `Replay` in place of `Execute`."""
+    from grading import course
+
+    configured = course.api().config.Autograde.autograde_preprocessors
+    preprocessors = [Replay if isinstance(p, type) and issubclass(p, Execute) else p for p in configured]
+    return Config({"Autograde": {"autograde_preprocessors": preprocessors}, "Replay": {"results": str(results)}})
+
+
+def scored(job: Job, results: Path) -> bool:
+    marker = runner.result_dir(results, job.assignment, job.student) / "scored"
+    autograded = Path(job.root) / "autograded" / job.student / job.assignment / f"{job.assignment}.ipynb"
+    run = runner.load_run(results, job.assignment, job.student)
+    return run is not None and marker.exists() and marker.read_text() == run.key and autograded.exists()
+
+
+def score(job: Job, results: Path, grader) -> None:
+    """nbgrader's autograde of one executed submission, in this process: the only writer of the gradebook."""
+    from grading import course
+
+    course._check(grader.autograde(job.assignment, job.student), f"score {job.student}/{job.assignment}")
+    run = runner.load_run(results, job.assignment, job.student)
+    (runner.result_dir(results, job.assignment, job.student) / "scored").write_text(run.key)
+
+
+# -- the whole class ------------------------------------------------------------------------------------------
+
+def _sandbox_wanted(use_sandbox: bool | None) -> bool:
+    """None: as CS336_GRADING_SANDBOX says: `required` (the default), `auto` (where bwrap runs; the test
+    suite's choice, so that it also passes where no sandbox can run) or `off`."""
+    if use_sandbox is not None:
+        return use_sandbox
+    mode = os.environ.get("CS336_GRADING_SANDBOX", "required")
+    return mode == "required" or (mode == "auto" and sandbox.problem() is None)
+
+
+def autograde(names: list[str], root: Path, *, jobs: int | None = None, students: Iterable[str] | None = None,
+              force: bool = False, limits: Limits | None = None, use_sandbox: bool | None = None,
+              results: Path | None = None) -> list[Run]:
+    """Grade every submission of `names`: execute what has no finished result (all of `students`' if given,
+    everything with `force`), `jobs` at a time, and score each in this process as it finishes. Returns the
+    runs executed now. A submission that could not be run is reported, and the others are still graded."""
+    from tqdm.auto import tqdm
+
+    from grading import course
+
+    results = results or root / RESULTS
+    grader = course.api(root)
+    for name in names:  # the gradebook must know the assignment's cells
+        course._check(grader.generate_assignment(name), f"generate {name}")
+    everyone = submissions(names, root)
+    if students and (unknown := set(students) - {job.student for job in everyone}):
+        raise SystemExit(f"no submission of {', '.join(sorted(names))} from {', '.join(sorted(unknown))}")
+    again = set(students or ())
+    to_execute = [j for j in everyone if force or j.student in again or executed(j, results) is None]
+    to_score = [j for j in everyone if j not in to_execute and not scored(j, results)]
+    scorer = course.api(root, scoring_config(results))
+    problems: list[str] = []
+    runs: list[Run] = []
+    bar = tqdm(total=len(everyone), initial=len(everyone) - len(to_execute) - len(to_score), desc="autograding",
+               unit="notebook")
+
+    def score_one(job: Job) -> None:
+        try:
+            score(job, results, scorer)
+        except Exception as e:  # noqa: BLE001 - reported below; the class goes on
+            problems.append(f"{job.student}/{job.assignment}: {e}")
+        bar.update()
+
+    def done(job: Job, run: Run | None) -> None:
+        if run is None:
+            return
+        runs.append(run)
+        if run.error:
+            problems.append(f"{job.student}/{job.assignment} could not be run: {run.error}")
+            bar.update()
+        else:
+            score_one(job)
+
+    try:
+        with ctrl_c() as pressed:
+            for job in to_score:
+                if pressed.is_set():
+                    raise Interrupted("stopped while scoring: run the same command again to go on from there")
+                score_one(job)
+            execute(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root),
+                    limits=limits or Limits(), use_sandbox=_sandbox_wanted(use_sandbox), results=results, done=done,
+                    pressed=pressed)
+    finally:
+        bar.close()
+    if problems:
+        raise RuntimeError("some submissions were not graded:\n" + "\n".join(problems))
+    return runs
+
+
+def merge(names: list[str], root: Path, results: Path | None = None) -> int:
+    """Score every executed submission of `names` not scored yet (the shards' results) into the gradebook.
+    Returns how many were scored; lists the submissions that have no result yet."""
+    from tqdm.auto import tqdm
+
+    from grading import course
+
+    results = results or root / RESULTS
+    grader = course.api(root)
+    for name in names:
+        course._check(grader.generate_assignment(name), f"generate {name}")
+    everyone = submissions(names, root)
+    missing = [f"{j.student}/{j.assignment}" for j in everyone if executed(j, results) is None]
+    todo = [j for j in everyone if executed(j, results) is not None and not scored(j, results)]
+    scorer = course.api(root, scoring_config(results))
+    for job in tqdm(todo, desc="scoring", unit="notebook"):
+        score(job, results, scorer)
+    if missing:
+        print(f"{len(missing)} submissions have no result yet (a shard did not finish?): {', '.join(missing[:20])}")
+    return len(todo)

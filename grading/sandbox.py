@@ -1,0 +1,171 @@
+"""A submission's kernel in a sandbox of its own (bubblewrap), started by nbgrader's executor.
+
+`bwrap` gives the kernel new mount, PID, network, IPC, UTS and user namespaces:
+- it sees the system (/usr), the Python environment and the cs336_parallel package read-only, and one
+  writable folder, its own copy of the submission; not grading/ (the sources, the gradebook, the config),
+  not another submission, not the grader's home or environment variables;
+- its network is a loopback device of its own: the ranks reach each other over TCP, nothing reaches out;
+- it has no capabilities (bwrap keeps them for root unless told), may not make user namespaces, and runs
+  in a new session (no access to the grader's terminal);
+- every process in it ends with the kernel: the sandbox's PID 1 takes them all along when the kernel exits
+  or is killed, and bwrap kills the sandbox if the grader dies (`--die-with-parent`).
+The kernel talks to the grader through ZeroMQ's ipc transport, over sockets in a folder of the sandbox.
+Where bwrap cannot run, `problem()` says why; grading then runs unsandboxed only if asked (course.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+from jupyter_client.manager import AsyncKernelManager
+from traitlets import Bool, Unicode
+
+import cs336_parallel
+
+# What of /etc a Python process needs: the loader's cache, time zone and certificates, from the system; users,
+# and names resolved from files only (no DNS: torch's store would wait for it), written by the grader.
+ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives", "ssl", "fonts", "mime.types")
+ETC_WRITTEN = {"hosts": "127.0.0.1 localhost sandbox\n::1 localhost sandbox\n",
+               "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+               "passwd": "root:x:0:0:root:/tmp:/bin/sh\n", "group": "root:x:0:\n"}
+# Environment variables that reach the kernel (the grader's own stay outside: tokens, paths, credentials).
+PASSED_ON = ("LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+PASSED_ON_PREFIXES = ("CS336_",)
+TMP_BYTES = 1 << 30  # the sandbox's /tmp and /dev/shm (memory-backed, and counted by the memory limit)
+
+
+def bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+def readonly_paths() -> list[Path]:
+    """The Python environment, its base installation, and the package (an editable install lives in the repo)."""
+    paths = [Path(sys.prefix), Path(sys.base_prefix), Path(cs336_parallel.__file__).resolve().parent]
+    paths += [Path(p).resolve() for p in paths[:2]]
+    system = Path("/usr")
+    unique = []
+    for p in paths:
+        if not p.is_relative_to(system) and p not in unique:
+            unique.append(p)
+    return unique
+
+
+def make_box(box: Path) -> Path:
+    """Lay out a submission's private folder: work/ (its files, the kernel's working folder), k/ (the kernel's
+    connection file and sockets), etc/ (the files above). Returns work/."""
+    for sub in ("work", "k", "etc"):
+        (box / sub).mkdir(exist_ok=True)
+    for name, text in ETC_WRITTEN.items():
+        (box / "etc" / name).write_text(text)
+    return box / "work"
+
+
+def bwrap_args(box: Path, env: dict[str, str]) -> list[str]:
+    """bwrap's command line: only box/work (the submission's copy) and box/k (the kernel's sockets) are writable."""
+    args = [bwrap() or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/", top)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    for name in ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    for name in ETC_WRITTEN:
+        args += ["--ro-bind", str(box / "etc" / name), f"/etc/{name}"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+             "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
+    for path in readonly_paths():
+        args += ["--ro-bind", str(path), str(path)]
+    for sub in ("work", "k"):
+        args += ["--bind", str(box / sub), str(box / sub)]
+    args += ["--remount-ro", "/", "--chdir", str(box / "work"), "--clearenv"]  # the rest of the tree: read-only
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return [*args, "--"]
+
+
+def kernel_env(workdir: Path) -> dict[str, str]:
+    """The kernel's whole environment: nothing of the grader's but locale, thread counts and CS336_ settings."""
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+           "HOME": str(workdir), "TMPDIR": "/tmp", "NBGRADER_EXECUTION": "autograde", "PYTHONNOUSERSITE": "1",
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env.update({k: v for k, v in os.environ.items() if k in PASSED_ON or k.startswith(PASSED_ON_PREFIXES)})
+    return env
+
+
+@cache
+def problem() -> str | None:
+    """Why no sandbox can run here (None when bwrap works): checked by starting Python in one."""
+    if bwrap() is None:
+        return ("bubblewrap (bwrap) is not installed: `make sandbox` installs it (Debian/Ubuntu: apt-get install "
+                "bubblewrap)")
+    box = Path(_short_tempdir())
+    try:
+        done = subprocess.run([*bwrap_args(box, kernel_env(make_box(box))), sys.executable, "-c", "import torch"],
+                              capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap could not start: {e}"
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+    if done.returncode:
+        return f"bwrap cannot make a sandbox here: {done.stderr.strip()[-300:]}"
+    return None
+
+
+def _short_tempdir() -> str:
+    """A private folder with a short path: ZeroMQ's ipc socket paths must stay under 108 bytes."""
+    return __import__("tempfile").mkdtemp(prefix="cs336-", dir="/tmp" if os.path.isdir("/tmp") else None)
+
+
+class SandboxedKernelManager(AsyncKernelManager):
+    """nbgrader's kernel manager, starting the kernel in a sandbox (or, with `sandbox=False`, as a plain
+    process) inside the folder `box`, under a memory cgroup when `cgroup_procs` names one."""
+
+    box = Unicode(help="the submission's private folder: work/ is the kernel's, k/ holds its sockets")
+    sandbox = Bool(True)
+    cgroup_procs = Unicode("", help="cgroup.procs of the notebook's memory cgroup ('' for none)")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        make_box(Path(self.box))
+        runtime = Path(self.box) / "k"
+        self.connection_file = str(runtime / "kernel.json")
+        if self.sandbox:  # across the sandbox's network namespace, only files connect
+            self.transport = "ipc"
+            self.ip = str(runtime / "kernel-ipc")
+
+    @property
+    def workdir(self) -> Path:
+        return Path(self.box) / "work"
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        if self.sandbox:
+            cmd = bwrap_args(Path(self.box), kernel_env(self.workdir)) + cmd
+        if self.cgroup_procs:  # join the cgroup first: everything the kernel starts is counted with it
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.cgroup_procs, *cmd]
+        return cmd
+
+    async def _async_pre_start_kernel(self, **kw):
+        if self.sandbox:  # a signal would reach bwrap, not the kernel: interrupts go as messages
+            self.kernel_spec.interrupt_mode = "message"
+        return await super()._async_pre_start_kernel(**kw)
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+        log = open(Path(self.box) / "k" / "kernel.log", "wb")  # noqa: SIM115 - the kernel process owns it
+        kw.update(stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(self.workdir))
+        if self.sandbox:
+            kw["env"] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # bwrap's own; the kernel's is set inside
+        else:  # without a sandbox, the kernel ends itself if the grader dies (ipykernel's parent poller)
+            kw["env"] = {**kernel_env(self.workdir), "JPY_PARENT_PID": str(os.getpid())}
+        try:
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+        finally:
+            log.close()
