@@ -1,6 +1,6 @@
 """The graded course end to end, asserted through nbgrader's gradebook.
 
-For every notebook, one autograde run grades the master solution and then every fixture answer of
+One parallel autograde run grades, for every notebook, the master solution and then every fixture answer of
 tests/fixtures/variants (correct ones written differently, wrong ones with one mistake each, tampering
 attempts), each followed by copies of its exercise's test cells (tests/mutation.py). The rest checks the
 release, the learner's loop, and the grader's defences on the real nbgrader path."""
@@ -21,6 +21,7 @@ import pytest
 
 from conftest import ROOT
 from grading import course, verdict
+from grading.runner import Limits
 
 ASSIGNMENTS = course.assignments()
 pytestmark = pytest.mark.timeout(900)  # a module fixture autogrades a whole notebook and its fixtures
@@ -125,7 +126,7 @@ def test_test_cells_follow_the_house_rules(name):
             assert not verdict.tampering(cell.source), (cell.source[:80], verdict.tampering(cell.source))
 
 
-# -- mutation testing: the master and every fixture in one autograde run per notebook -------------------------
+# -- mutation testing: each notebook's master and every fixture, all in one parallel autograde run ----------
 
 def variants(name: str) -> dict:
     try:
@@ -142,17 +143,34 @@ class MutationRun:
     outcomes: list[mutation.Outcome]
 
 
-@pytest.fixture(scope="module", params=ASSIGNMENTS)
-def mutation_run(request, tmp_path_factory) -> MutationRun:
-    name = request.param
-    root = copy_course(tmp_path_factory.mktemp(f"{name}-mutations"), name)
-    master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
-    blocks = mutation.blocks(master, variants(name))
+@pytest.fixture(scope="session")
+def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
+    """Every selected notebook's master and fixtures, autograded in one parallel run (as a class is graded)."""
+    names = sorted({item.callspec.params["mutation_run"] for item in request.session.items
+                    if "mutation_run" in getattr(item, "fixturenames", ())})
+    root = copy_course(tmp_path_factory.mktemp("mutations"), *names)
+    built = {}
+    for name in names:
+        master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
+        built[name] = mutation.blocks(master, variants(name))
+        target = root / "submitted" / "mutations" / name
+        target.mkdir(parents=True)
+        nbformat.write(mutation.build(master, built[name]), target / f"{name}.ipynb")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CS336_TEST_TIMEOUT_S", DEADLOCK_TIMEOUT_S)
-        scores = autograde(root, name, {"mutations": mutation.build(master, blocks)})["mutations"]
-    graded = autograded(root, name, "mutations")
-    return MutationRun(name, scores, graded, mutation.outcomes(graded, blocks))
+        # One notebook holds a whole class's worth of answers and their demonstrations: more output than one.
+        course.autograde(names, root, jobs=2, limits=Limits(output_mb=100))
+    runs = {}
+    for name, blocks in built.items():
+        graded = autograded(root, name, "mutations")
+        scores = course.scores(name, "mutations", root)
+        runs[name] = MutationRun(name, scores, graded, mutation.outcomes(graded, blocks))
+    return runs
+
+
+@pytest.fixture(params=ASSIGNMENTS)
+def mutation_run(request, mutation_runs) -> MutationRun:
+    return mutation_runs[request.param]
 
 
 def test_the_master_scores_full_marks_with_no_error_or_stderr(mutation_run):
