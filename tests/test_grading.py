@@ -2,7 +2,8 @@
 
 One parallel autograde run grades, for every notebook, the master solution and then every fixture answer of
 tests/fixtures/variants (correct ones written differently, wrong ones with one mistake each, tampering
-attempts), each followed by copies of its exercise's test cells (tests/mutation.py). The rest checks the
+attempts), each followed by copies of its exercise's test cells (tests/mutation.py), and the blank student
+version. The rest checks the
 release, the learner's loop, and the grader's defences on the real nbgrader path."""
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def variants(name: str) -> dict:
 class MutationRun:
     name: str
     scores: list  # the master's, from the gradebook
+    blank: list  # the student version's, as released (notebooks/)
     notebook: nbformat.NotebookNode  # the autograded notebook
     outcomes: list[mutation.Outcome]
 
@@ -156,6 +158,8 @@ def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
         target = root / "submitted" / "mutations" / name
         target.mkdir(parents=True)
         nbformat.write(mutation.build(master, built[name]), target / f"{name}.ipynb")
+        (root / "submitted" / "blank" / name).mkdir(parents=True)
+        shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root / "submitted" / "blank" / name)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CS336_TEST_TIMEOUT_S", DEADLOCK_TIMEOUT_S)
         # One notebook holds a whole class's worth of answers and their demonstrations: more output than one.
@@ -163,8 +167,8 @@ def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
     runs = {}
     for name, blocks in built.items():
         graded = autograded(root, name, "mutations")
-        scores = course.scores(name, "mutations", root)
-        runs[name] = MutationRun(name, scores, graded, mutation.outcomes(graded, blocks))
+        scores, blank = course.scores(name, "mutations", root), course.scores(name, "blank", root)
+        runs[name] = MutationRun(name, scores, blank, graded, mutation.outcomes(graded, blocks))
     return runs
 
 
@@ -181,6 +185,13 @@ def test_the_master_scores_full_marks_with_no_error_or_stderr(mutation_run):
             bad = [o.get("ename") or o.get("text", "")[:200] for o in cell.outputs
                    if o.output_type == "error" or o.get("name") == "stderr"]
             assert not bad, f"cell {i} ({cell.source[:60]!r}): {bad}"
+
+
+def test_the_blank_student_version_scores_nothing_and_says_why(mutation_run):
+    assert mutation_run.blank and all(s.score == 0 for s in mutation_run.blank), [
+        (s.cell, s.score) for s in mutation_run.blank if s.score]
+    for s in mutation_run.blank:
+        assert s.reason.strip() and "\n" not in s.reason, (s.cell, s.reason)
 
 
 def test_every_fixture_is_graded_as_its_kind(mutation_run, capsys):
