@@ -3,8 +3,7 @@
 One parallel autograde run grades, for every notebook, the master solution and then every fixture answer of
 tests/fixtures/variants (correct ones written differently, wrong ones with one mistake each, tampering
 attempts), each followed by copies of its exercise's test cells (tests/mutation.py), and the blank student
-version. The rest checks the
-release, the learner's loop, and the grader's defences on the real nbgrader path."""
+version. The rest checks the release, the learner's loop, and the grader's defences on the real nbgrader path."""
 
 from __future__ import annotations
 
