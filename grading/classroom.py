@@ -249,9 +249,7 @@ def autograde(names: list[str], root: Path, *, jobs: int | None = None, students
     from grading import course
 
     results = results or root / RESULTS
-    grader = course.api(root)
-    for name in names:  # the gradebook must know the assignment's cells
-        course._check(grader.generate_assignment(name), f"generate {name}")
+    grader = course.prepare(names, root)
     everyone = submissions(names, root)
     if students and (unknown := set(students) - {job.student for job in everyone}):
         raise SystemExit(f"no submission of {', '.join(sorted(names))} from {', '.join(sorted(unknown))}")
@@ -305,12 +303,11 @@ def merge(names: list[str], root: Path, results: Path | None = None) -> int:
     from grading import course
 
     results = results or root / RESULTS
-    grader = course.api(root)
-    for name in names:
-        course._check(grader.generate_assignment(name), f"generate {name}")
+    course.prepare(names, root)
     everyone = submissions(names, root)
-    missing = [f"{j.student}/{j.assignment}" for j in everyone if executed(j, results) is None]
-    todo = [j for j in everyone if executed(j, results) is not None and not scored(j, results)]
+    ran = [(j, executed(j, results) is not None) for j in everyone]
+    missing = [f"{j.student}/{j.assignment}" for j, ok in ran if not ok]
+    todo = [j for j, ok in ran if ok and not scored(j, results)]
     scorer = course.api(root, scoring_config(results))
     for job in tqdm(todo, desc="scoring", unit="notebook"):
         score(job, results, scorer)

@@ -122,11 +122,13 @@ def collect(submissions: Path, root: Path = COURSE) -> list[tuple[str, str]]:
     return collected
 
 
-def prepare(names: list[str] | None = None, root: Path = COURSE) -> None:
-    """Teach the gradebook each assignment's cells (nbgrader generate_assignment), before shards execute."""
+def prepare(names: list[str] | None = None, root: Path = COURSE) -> NbGraderAPI:
+    """Teach the gradebook each assignment's cells (nbgrader generate_assignment), before any is executed or
+    scored. Returns the API it used."""
     grader = api(root)
     for name in names or assignments(root):
         _check(grader.generate_assignment(name), f"generate {name}")
+    return grader
 
 
 def autograde(names: list[str] | None = None, root: Path = COURSE, *, jobs: int | None = None,
@@ -211,7 +213,7 @@ def print_table(results: list[Score]) -> None:
 def _add_limits(parser: argparse.ArgumentParser) -> None:
     defaults = Limits()
     parser.add_argument("--jobs", type=int, default=None,
-                        help="notebooks at once (default: the cores // the notebooks' largest world size)")
+                        help="notebooks at once (default: 2 x the cores // the notebooks' largest world size)")
     parser.add_argument("--no-sandbox", action="store_true",
                         help="run submissions WITHOUT isolation (only where no sandbox can run; they can read "
                              "and write everything you can)")
