@@ -1,6 +1,8 @@
 # The front-door commands (README): `make lab` starts the course (learners), `make grade` grades a learner's
 # notebook, `make test` runs every test (developers), `make notebooks` releases the notebooks (instructors).
 # Each creates or updates the environment in .venv first, and is quick when it is up to date.
+# Versions come from the lock (requirements/lock.txt); `make lock` makes a new one, `make test-latest` tries the
+# newest versions pyproject.toml allows in an environment of its own, before they reach the lock.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -10,7 +12,13 @@ READY := $(VENV)/.installed
 TEST_READY := $(VENV)/.installed-test
 # `make lab TORCH=cpu`: PyTorch's CPU-only wheels on Linux (192 MB to download, not ~2.7 GB of CUDA libraries).
 TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
-PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_INDEX)
+# Every package at the lock's version (a constraints file: pip installs what is asked for, and pins what it names).
+LOCK := requirements/lock.txt
+PINS := requirements/pins.txt
+# LATEST=1 (make test-latest): the newest versions pyproject.toml allows, apart from requirements/pins.txt.
+CONSTRAINTS := $(if $(LATEST),-c $(PINS) --upgrade --upgrade-strategy eager,-c $(LOCK))
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_INDEX) $(CONSTRAINTS)
+UV := uv==0.13.9
 KERNEL := cs336-parallel
 # The environment's tools (jupyter, nbgrader, alembic) come first for every command.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
@@ -33,7 +41,7 @@ NO_VENV := "$(PYTHON) cannot create a virtual environment (it has no ensurepip).
 NOTEBOOKS ?= notebooks
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
-.PHONY: lab test chromium sandbox notebooks grade lint clean
+.PHONY: lab test test-latest lock chromium sandbox notebooks grade lint clean
 
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
@@ -66,7 +74,20 @@ grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_co
 lint: $(TEST_READY)
 	$(BIN)/ruff check .
 
-$(READY): pyproject.toml
+# A new lock: the newest versions pyproject.toml allows (requirements/pins.txt holds some on purpose), for every
+# platform and Python 3.10+ at once. `make lock PACKAGE=cloudpickle` moves that one package only. Then `make test`.
+lock: $(READY)
+	$(PIP_INSTALL) $(UV)
+	$(BIN)/uv pip compile pyproject.toml --extra course --extra test --universal --python-version 3.10 \
+	  -c $(PINS) $(if $(PACKAGE),--upgrade-package $(PACKAGE),--upgrade) --custom-compile-command "make lock" \
+	  --quiet -o $(LOCK)
+
+# The whole suite in .venv-latest, built from the newest versions pyproject.toml allows instead of the lock; when it
+# fails, it names the packages whose new release breaks it (requirements/test_latest.py). Not part of `make test`.
+test-latest: chromium sandbox
+	$(PYTHON) requirements/test_latest.py $(ARGS)
+
+$(READY): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else $(OLD_PYTHON))'
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { echo $(NO_VENV); exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -84,5 +105,5 @@ $(TEST_READY): $(READY)
 	touch $@
 
 clean:
-	rm -rf $(VENV) grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
+	rm -rf $(VENV) .venv-latest grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
 	  grading/executed grading/report

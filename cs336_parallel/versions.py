@@ -11,7 +11,7 @@ import re
 import sys
 from importlib import metadata
 
-TORCH_NEEDED = (2, 13)  # pyproject.toml pins torch==2.13.0 (a test checks they agree)
+TORCH_NEEDED = (2, 13)  # pyproject.toml asks for torch>=2.13 (a test checks they agree)
 
 
 class SetupError(RuntimeError):

@@ -125,12 +125,26 @@ def loopback_interface() -> str:
     return next((n for n in names if n.startswith("lo")), names[0] if names else "lo")
 
 
+_KEPT = "<cs336: filename kept>"  # marks a code object whose own file name travels beside it
+
+
+def _named_code(code: types.CodeType, filename: str) -> types.CodeType:
+    """`code` with its file name back (see `_Pickler`)."""
+    return code.replace(co_filename=filename)
+
+
 class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, plus: tensors travel on the CPU and without autograd history (the kernel never
-    touches CUDA; a non-leaf tensor cannot be pickled), and module-like objects such as `torch.ops`
-    travel by name (cloudpickle cannot copy them)."""
+    """cloudpickle, plus:
+    - code objects keep their file name: tracebacks and stack dumps on a rank name the notebook cell (`Cell In[5]`)
+      whose lines the kernel shows. cloudpickle may set it to anything (3.1.3 writes "<dynamic-code>"), so the
+      name travels beside the code and is put back on arrival;
+    - tensors travel on the CPU and without autograd history (the kernel never touches CUDA; a non-leaf tensor
+      cannot be pickled);
+    - module-like objects such as `torch.ops` travel by name (cloudpickle cannot copy them)."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType) and obj.co_filename != _KEPT:
+            return _named_code, (obj.replace(co_filename=_KEPT), obj.co_filename)
         if isinstance(obj, torch.Tensor) and (obj.is_cuda or obj.grad_fn is not None):
             return obj.detach().cpu().__reduce_ex__(self.proto)
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:

@@ -32,22 +32,53 @@ def dry_run(*args: str, tmp_path: Path) -> str:
     venv_dir = tmp_path / "venv"
     done = subprocess.run(["make", "-n", *args, f"VENV={venv_dir}"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    return done.stdout.replace("\\\n", " ")  # a command continued over several lines, as one line
 
 
-def test_make_lab_installs_the_course_without_the_test_tools(tmp_path):
-    installs = [line for line in dry_run("lab", tmp_path=tmp_path).splitlines() if "pip install" in line]
-    assert len(installs) == 1 and "'.[course]'" in installs[0] and "download.pytorch.org" not in installs[0]
+def installs(*args: str, tmp_path: Path) -> list[str]:
+    return [line for line in dry_run(*args, tmp_path=tmp_path).splitlines() if "pip install" in line]
 
 
-def test_make_test_adds_the_test_tools(tmp_path):
-    installs = [line for line in dry_run("test", tmp_path=tmp_path).splitlines() if "pip install" in line]
-    assert [("'.[course]'" in line, "'.[course,test]'" in line) for line in installs] == [(True, False), (False, True)]
+def test_make_lab_installs_the_course_without_the_test_tools_at_the_locks_versions(tmp_path):
+    lines = installs("lab", tmp_path=tmp_path)
+    assert len(lines) == 1 and "'.[course]'" in lines[0] and "download.pytorch.org" not in lines[0]
+    assert "-c requirements/lock.txt" in lines[0]
 
 
-def test_torch_cpu_selects_pytorchs_cpu_wheel_index(tmp_path):
-    installs = [line for line in dry_run("lab", "TORCH=cpu", tmp_path=tmp_path).splitlines() if "pip install" in line]
-    assert len(installs) == 1 and "--extra-index-url https://download.pytorch.org/whl/cpu" in installs[0]
+def test_make_test_adds_the_test_tools_at_the_locks_versions(tmp_path):
+    lines = installs("test", tmp_path=tmp_path)
+    assert [("'.[course]'" in line, "'.[course,test]'" in line) for line in lines] == [(True, False), (False, True)]
+    assert all("-c requirements/lock.txt" in line for line in lines)
+
+
+def test_make_grade_uses_the_lock_too(tmp_path):
+    lines = installs("grade", "NOTEBOOK=notebooks/00_setup.ipynb", tmp_path=tmp_path)
+    assert len(lines) == 1 and "-c requirements/lock.txt" in lines[0]
+
+
+def test_torch_cpu_selects_pytorchs_cpu_wheel_index_with_the_same_lock(tmp_path):
+    """The CPU index's torch 2.13.0+cpu satisfies the lock's torch==2.13.0 (a local version label), and needs
+    none of the CUDA packages the lock lists for PyPI's build: constraints pin them, they do not install them."""
+    lines = installs("lab", "TORCH=cpu", tmp_path=tmp_path)
+    assert len(lines) == 1 and "--extra-index-url https://download.pytorch.org/whl/cpu" in lines[0]
+    assert "-c requirements/lock.txt" in lines[0]
+
+
+def test_make_lock_regenerates_the_lock_for_every_platform_from_pyproject_and_the_pins(tmp_path):
+    compile_line = next(line for line in dry_run("lock", tmp_path=tmp_path).splitlines() if "pip compile" in line)
+    for part in ("pyproject.toml", "--universal", "--extra course", "--extra test", "-c requirements/pins.txt",
+                 "--upgrade", "-o requirements/lock.txt"):
+        assert part in compile_line, (part, compile_line)
+    one = next(line for line in dry_run("lock", "PACKAGE=cloudpickle", tmp_path=tmp_path).splitlines()
+               if "pip compile" in line)
+    assert "--upgrade-package cloudpickle" in one and "--upgrade " not in one
+
+
+def test_make_test_latest_is_its_own_target_and_environment(tmp_path):
+    assert "test_latest.py" in dry_run("test-latest", tmp_path=tmp_path)
+    assert "test_latest.py" not in dry_run("test", tmp_path=tmp_path)
+    lines = installs("test", "LATEST=1", tmp_path=tmp_path)
+    assert all("-c requirements/pins.txt --upgrade" in line and "lock.txt" not in line for line in lines), lines
 
 
 def test_an_old_python_is_told_what_to_install(tmp_path):
@@ -65,9 +96,12 @@ def test_an_old_python_is_told_what_to_install(tmp_path):
 
 # -- the PyTorch the course needs ------------------------------------------------------------------------------
 
-def test_the_torch_needed_is_pyprojects_pin():
-    pin = re.search(r'"torch==(\d+)\.(\d+)\.\d+"', PYPROJECT)
-    assert pin and versions.TORCH_NEEDED == (int(pin.group(1)), int(pin.group(2)))
+def test_the_torch_needed_is_pyprojects_lower_bound_and_the_lock_holds_it():
+    bound = re.search(r'"torch>=(\d+)\.(\d+)"', PYPROJECT)
+    assert bound and versions.TORCH_NEEDED == (int(bound.group(1)), int(bound.group(2)))
+    needed = ".".join(map(str, versions.TORCH_NEEDED))
+    assert f"torch=={needed}." in (ROOT / "requirements" / "pins.txt").read_text()
+    assert re.search(rf"^torch=={re.escape(needed)}\.\d+$", (ROOT / "requirements" / "lock.txt").read_text(), re.M)
 
 
 @pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.0a0+git1234abc", "3.0.0"])
@@ -161,20 +195,38 @@ def test_the_readme_gives_the_same_hosted_install():
     assert hosted_command().removeprefix("%") in (ROOT / "README.md").read_text()
 
 
+def test_the_hosted_install_asks_only_for_lower_bounds():
+    """The hosted extra and the core keep what a host has where it is new enough: no exact pins."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10's standard library reads no TOML")
+    project = tomllib.loads(PYPROJECT)["project"]
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["hosted"]]:
+        assert "==" not in requirement and "<" not in requirement, requirement
+
+
+HOST = ("torch==2.13.0", "ipykernel==6.29.5")  # what a hosted Jupyter has before the notebook's first cell
+
+
 @pytest.mark.timeout(900)
-def test_a_notebook_runs_in_a_fresh_environment_made_by_the_hosted_install_alone(tmp_path, monkeypatch):
-    """The notebooks' pip command, with this checkout in place of the repository's URL (same form:
-    `cs336-parallel[hosted] @ URL`), in a new virtual environment; then notebook 00 (master) top to bottom."""
+def test_a_notebook_runs_on_a_host_after_the_hosted_install_which_keeps_the_hosts_torch_and_jupyter(tmp_path,
+                                                                                                    monkeypatch):
+    """A fresh virtual environment with a host's own PyTorch and Jupyter kernel (as Colab has them); then the
+    notebooks' pip command, with this checkout in place of the repository's URL (same form:
+    `cs336-parallel[hosted] @ URL`); then notebook 00 (master) top to bottom. The host's versions stay."""
     env_dir = tmp_path / "hosted"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
+    done = subprocess.run([python, "-m", "pip", "install", "--quiet", *HOST], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     requirement = json.loads(hosted_command().split(" ", 2)[2])  # the quoted requirement
     checkout = tmp_path / "checkout"  # a copy: building the package writes build/ next to its sources
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "release",
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "release",
                                                                   "autograded", "submitted", "feedback"))
     requirement = re.sub(r"@ git\+\S+$", f"@ {checkout.as_uri()}", requirement)
     done = subprocess.run([python, "-m", "pip", "install", "--quiet", requirement], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    kept = subprocess.run([python, "-c", "from importlib.metadata import version as v; "
+                           "print(v('torch').split('+')[0], v('ipykernel'))"], capture_output=True, text=True).stdout
+    assert kept.split() == [h.split("==")[1] for h in HOST], kept
     kernels = tmp_path / "kernels"
     subprocess.run([python, "-m", "ipykernel", "install", "--prefix", kernels, "--name", "hosted"], check=True,
                    capture_output=True)
