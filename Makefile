@@ -27,7 +27,7 @@ OPEN_BROWSER := $(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell 
 # Containers and cloud machines often log in as root; JupyterLab refuses root unless told.
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # nbgrader's instructor tools (formgrader, exchange-based assignment and course lists) stay out of the
-# learner's JupyterLab; its Validate button stays. Instructors use grading/course.py (grading/README.md).
+# learner's JupyterLab; its Validate button stays. Instructors use `python -m grading` (grading/README.md).
 NBGRADER_SERVER_OFF := formgrader assignment_list course_list
 NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment menu
 
@@ -66,10 +66,10 @@ sandbox:
 	@$(call apt_install,bwrap,bubblewrap,bubblewrap is not installed and could not be installed here: submissions are graded without isolation.)
 
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors); FORCE=1 overwrites changes
-	$(BIN)/python grading/course.py release $(if $(FORCE),--force)
+	$(BIN)/python -m grading release $(if $(FORCE),--force)
 
 grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_collectives.ipynb
-	$(BIN)/python grading/course.py selfgrade $(NOTEBOOK)
+	$(BIN)/python -m grading selfgrade $(NOTEBOOK)
 
 lint: $(TEST_READY)
 	$(BIN)/ruff check .

@@ -20,17 +20,14 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext cs336_parallel`: register `%cluster`, `%%ranks` and `%%test`, name the exercise behind an
-    unfilled `raise NotImplementedError()`, and remember what tests rely on (the first line of every
-    notebook, so before any answer cell runs)."""
+    """`%load_ext cs336_parallel`: register `%cluster`, `%%ranks` and `%%test`, and name the exercise behind an
+    unfilled `raise NotImplementedError()` (the first line of every notebook)."""
     from .rank_server import warm_up
     from .versions import check_torch
 
     check_torch()  # one clear line about versions now, rather than an AttributeError inside an exercise
     warm_up()  # the server imports torch on another core while this kernel does below
-    from . import integrity
     from .magics import ClusterMagics, explain_unfilled_exercise
 
     ipython.register_magics(ClusterMagics)
     ipython.set_custom_exc((NotImplementedError,), explain_unfilled_exercise)
-    integrity.snapshot()

@@ -1,34 +1,42 @@
-"""What the notebooks' tests ask of a learner's code: run it on N ranks, compare it with ground truth
-computed independently, and count (or forbid) the collectives it calls.
+"""What the notebooks' tests ask of a learner's code: run it, compare what it returns with ground truth
+computed independently, and look at how it communicated.
 
-A test cell reads like this (the checking function runs on every rank):
+A test cell runs on one side of a trust boundary (`boundary`), the exercise on the other. The cell calls the
+exercise, or runs a *driver* of a `%%test_helpers` cell on the ranks with it, and gets plain data back; it
+computes the expected values itself and compares:
 
-    def check(ring_all_reduce):
-        x = checks.random_tensor((1000,), seed=dist.get_rank())
-        expected = x.clone(); dist.all_reduce(expected)      # ground truth: the library
-        with checks.only_point_to_point("ring_all_reduce"):
+    def run_all_reduce(ring_all_reduce, numel):            # a driver: runs on every rank, returns data
+        x = checks.random_tensor((numel,), seed=dist.get_rank())
+        with checks.count_collectives() as comm:
             ring_all_reduce(x)
-        checks.assert_close(x, expected, name="ring_all_reduce(x)")
+        return {"x": x, "comm": comm.record()}
 
-    checks.run(4, check, ring_all_reduce)
+    got = checks.run(4, run_all_reduce, ring_all_reduce, 1000)   # in the test cell: one result per rank
+    expected = sum(checks.random_tensor((1000,), seed=r) for r in range(4))
+    for rank, result in enumerate(got):
+        checks.assert_close(result["x"], expected, name="x", rank=rank)
+        checks.assert_point_to_point(result["comm"], "ring_all_reduce", rank=rank)
+
+Drivers run in the student's processes, so what they observe there (which collectives a rank called, the memory
+it held) is reported as data; the comparisons, and every expected value, stay on the test's side.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
+import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .boundary import Boundary, RemoteError, unpack
 from .cluster import Cluster
-from .errors import RankError
 from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
 
 # A deadlocked exercise fails its test after this long, not after the notebook's cell limit.
@@ -74,17 +82,19 @@ def _sequence_numbers() -> dict:
 
 
 class CommCounter(TorchDispatchMode):
-    """Records every torch.distributed call made under it (op, bytes, peer); may forbid some.
+    """Records every torch.distributed call made under it (op, bytes, peer); may forbid some (a learner's own
+    check in a notebook; a test's driver only records, and the test decides).
 
     Works at the dispatcher, so it sees `dist.all_reduce` however it was imported, the functional
     collectives, and the collectives that autograd hooks launch during backward. On leaving the block it
-    compares its count with the process groups' own sequence numbers: an operation that slipped past the
-    dispatcher (a disabled dispatch mode) is reported, not ignored."""
+    compares its count with the process groups' own sequence numbers: `hidden` counts the operations that
+    slipped past the dispatcher (a disabled dispatch mode)."""
 
     def __init__(self, forbid: Iterable[str] = (), *, allow: Iterable[str] | None = None, exercise: str = ""):
         super().__init__()
         self.forbid, self.allow, self.exercise = set(forbid), None if allow is None else set(allow), exercise
         self.calls: list[Call] = []
+        self.hidden = 0
         self._before: dict = {}
 
     @classmethod
@@ -97,10 +107,7 @@ class CommCounter(TorchDispatchMode):
         op = _op_name(func)
         if op is not None:
             if op in self.forbid or (self.allow is not None and op not in self.allow):
-                allowed = ("; it may use only send, recv, isend, irecv and batch_isend_irecv"
-                           if self.allow == POINT_TO_POINT else f"; it may use only {', '.join(sorted(self.allow))}"
-                           if self.allow is not None else "")
-                raise ForbiddenCallError(f"{self.exercise or 'this code'} called dist.{op}{allowed}.")
+                raise ForbiddenCallError(f"{self.exercise or 'this code'} called dist.{op}{_allowed(self.allow)}.")
             peer = args[2] if op in POINT_TO_POINT and len(args) > 2 and isinstance(args[2], int) else None
             self.calls.append(Call(op, largest_tensor_bytes(args), peer))
         return func(*args, **(kwargs or {}))
@@ -111,13 +118,12 @@ class CommCounter(TorchDispatchMode):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
-        if exc_type is None:
-            issued = sum(n - self._before.get(group, 0) for group, n in _sequence_numbers().items())
-            if issued > len(self.calls):
-                raise ForbiddenCallError(
-                    f"{self.exercise or 'this code'} issued {issued - len(self.calls)} communication operation(s) "
-                    "that bypassed torch's dispatcher (a disabled dispatch mode?): every call must be visible "
-                    "to the test.")
+        issued = sum(n - self._before.get(group, 0) for group, n in _sequence_numbers().items())
+        self.hidden = max(0, issued - len(self.calls))
+        if exc_type is None and self.hidden and (self.forbid or self.allow is not None):
+            raise ForbiddenCallError(f"{self.exercise or 'this code'} issued {self.hidden} communication "
+                                     "operation(s) that bypassed torch's dispatcher (a disabled dispatch mode?): "
+                                     "every call must be visible to the test.")
 
     @property
     def counts(self) -> Counter:
@@ -128,40 +134,92 @@ class CommCounter(TorchDispatchMode):
         """Bytes this rank sent with send/isend (what a ring algorithm's cost model counts)."""
         return sum(c.nbytes for c in self.calls if c.op == "send")
 
+    def record(self) -> dict:
+        """What the test needs, as data: {"calls": [(op, bytes, peer), ...], "hidden": operations not seen}."""
+        return {"calls": [(c.op, c.nbytes, c.peer) for c in self.calls], "hidden": self.hidden}
+
+
+def _allowed(allow: set[str] | None) -> str:
+    if allow is None:
+        return ""
+    if allow == POINT_TO_POINT:
+        return "; it may use only send, recv, isend, irecv and batch_isend_irecv"
+    return f"; it may use only {', '.join(sorted(allow))}"
+
 
 def count_collectives() -> CommCounter:
-    """`with count_collectives() as comm: ...`, then `comm.counts`, `comm.calls`, `comm.bytes_sent()`."""
+    """`with count_collectives() as comm: ...`, then `comm.record()`, `comm.counts`, `comm.bytes_sent()`."""
     return CommCounter()
 
 
 def only_point_to_point(exercise: str) -> CommCounter:
-    """Fail with a clear message if `exercise` calls anything but send/recv/isend/irecv/batch_isend_irecv."""
+    """Fail with a clear message if `exercise` calls anything but send/recv/isend/irecv/batch_isend_irecv (for
+    a learner's own checks; a test's driver records with `count_collectives` and the test decides)."""
     return CommCounter(allow=POINT_TO_POINT, exercise=exercise)
 
 
-_grading: dict[int, Cluster] = {}  # the test cells' own CPU clusters, by world size
+# -- what a test cell calls: the exercise, across the boundary ----------------------------------------------------
+
+_local = threading.local()
+
+
+@contextmanager
+def using(side: Boundary) -> Iterator[Boundary]:
+    """Route this thread's `run`, `call_each` and `last_traffic` through `side` while a test cell runs."""
+    before = getattr(_local, "boundary", None)
+    _local.boundary = side
+    try:
+        yield side
+    finally:
+        _local.boundary = before
+
+
+def _boundary() -> Boundary:
+    side = getattr(_local, "boundary", None)
+    if side is None:
+        raise RuntimeError("checks.run and checks.call_each work inside a %%test cell (they reach the exercise "
+                           "across the grader's boundary); to run a function on ranks yourself, use "
+                           "cs336_parallel.session_cluster(n).run(fn, ...)")
+    return side
 
 
 def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, **kwargs) -> list:
-    """Run `fn(*args, **kwargs)` on every rank of a CPU cluster (gloo) of `world_size` ranks; one result per
-    rank, converted to plain values (`plain`).
-
-    Tests use clusters of their own, apart from the notebook's: `%%test` restarts them before each test
-    cell, so nothing an earlier cell ran on a rank is still there, and each rank checks after every call
-    that the code it ran changed none of the functions tests rely on (`integrity`). Tests always run on
-    CPU ranks, so a grade does not depend on the machine's GPUs."""
-    if world_size not in _grading:
-        _grading[world_size] = Cluster(world_size, backend="gloo", check_integrity=True)
+    """Run the driver `fn(*args, **kwargs)` on every rank of a fresh CPU cluster (gloo) of `world_size` ranks;
+    one plain result per rank. The exercise goes in `args` (it travels by name); a failure raises `RemoteError`
+    naming the case."""
     try:
-        results = _grading[world_size].call(fn, args, kwargs, timeout=timeout)
-    except RankError as e:
-        e.case = describe_case(world_size, fn, args, kwargs)  # `%%test` puts it first in its one-line verdict
+        return _boundary().run(world_size, fn, args, kwargs, timeout)
+    except RemoteError as e:
+        e.case = describe_case(world_size, fn, args, kwargs)
         raise
-    return [plain(r, name=f"the result of rank {i}") for i, r in enumerate(results)]
+
+
+def call_each(fn: Callable, cases: Iterable[tuple]) -> list:
+    """`fn(*case)` for every case, in one request; the plain values in order. The first case that fails raises
+    its `RemoteError`, naming the call."""
+    cases = [tuple(c) for c in cases]
+    values = []
+    for case, reply in zip(cases, _boundary().call_each(fn, cases), strict=True):
+        try:
+            values.append(unpack(reply))
+        except RemoteError as e:
+            e.case = _call_text(fn, case, {})
+            raise
+    return values
+
+
+def last_traffic() -> int | None:
+    """Bytes the ranks of the last `run` moved over their network, measured outside their processes (the grader
+    reads the sandbox's loopback counters); None where that cannot be measured (no sandbox, or in the notebook)."""
+    return _boundary().traffic
 
 
 def describe_case(world_size: int, fn: Callable, args: tuple, kwargs: dict) -> str:
-    """`world size 3, check_all_reduce(ring_all_reduce, (13,), torch.int64)`: which case of a test ran."""
+    """`world size 3, run_all_reduce(ring_all_reduce, (13,), torch.int64)`: which case of a test ran."""
+    return f"world size {world_size}, {_call_text(fn, args, kwargs)}"
+
+
+def _call_text(fn: Callable, args: tuple, kwargs: dict) -> str:
     def short(value) -> str:
         if isinstance(value, torch.Tensor):
             return f"tensor{tuple(value.shape)}"
@@ -170,60 +228,33 @@ def describe_case(world_size: int, fn: Callable, args: tuple, kwargs: dict) -> s
         return text if len(text) <= 40 else text[:37] + "..."
 
     shown = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
-    return f"world size {world_size}, {getattr(fn, '__name__', 'check')}({', '.join(shown)})"
+    return f"{getattr(fn, '__name__', 'check')}({', '.join(shown)})"
 
 
+# -- the kernel's side of `run`: its test clusters -----------------------------------------------------------------
+
+_test_clusters: dict[int, Cluster] = {}  # the test cells' own CPU clusters, by world size
 _tested: object = None  # what the test clusters' ranks last ran tests of
+
+
+def run_on_test_ranks(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+    """The kernel's side of `run`: `fn` on a CPU cluster (gloo) of the tests' own, apart from the notebook's, so
+    a grade does not depend on the machine's GPUs, nor on what the notebook's cells did to its ranks."""
+    if world_size not in _test_clusters:
+        _test_clusters[world_size] = Cluster(world_size, backend="gloo")
+    return _test_clusters[world_size].call(fn, args, kwargs, timeout=timeout)
 
 
 def fresh_ranks(tested: object = None) -> None:
     """Replace the ranks of every test cluster that has run something, unless they ran the tests of `tested`
-    (an exercise and its definition): `%%test` calls this before each test, so no test sees what a test of
-    another exercise, or another definition of this one, left on a rank."""
+    (an exercise and its definition): a test begins with this, so it sees nothing that a test of another exercise,
+    or of another definition of this one, left on a rank."""
     global _tested
     if tested is None or tested != _tested:
-        for cluster in _grading.values():
+        for cluster in _test_clusters.values():
             if cluster.used:
                 cluster.restart_soon()
     _tested = tested
-
-
-class NotPlainError(TypeError):
-    """A result that is not one of the plain types a test compares (it could compare equal to anything)."""
-
-
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, Fraction, torch.dtype, torch.device, torch.Size)
-
-
-def plain(value, *, name: str = "the result"):
-    """`value` rebuilt from plain types only: None, numbers, strings, tensors, and lists, tuples, dicts and
-    the package's dataclasses of them. A test compares these, never an object an answer made: a result
-    whose `__eq__` is always true, or a tensor subclass, is refused with `NotPlainError`."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    if isinstance(value, int):  # subclasses of the builtins: their base value, without their methods
-        return int.__index__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, str):
-        return str.__str__(value)
-    if kind is torch.Tensor:  # keeps its autograd graph: a test may backpropagate through an exercise's result
-        return value
-    if kind is torch.nn.Parameter:
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.Tensor.detach(value)
-    if isinstance(value, list):
-        return [plain(v, name=name) for v in list.__iter__(value)]
-    if isinstance(value, tuple):
-        return tuple(plain(v, name=name) for v in tuple.__iter__(value))
-    if isinstance(value, dict):
-        return {plain(k, name=name): plain(v, name=name) for k, v in dict.items(value)}
-    if dataclasses.is_dataclass(value) and kind.__module__.startswith("cs336_parallel."):
-        return kind(**{f.name: plain(object.__getattribute__(value, f.name), name=name)
-                       for f in dataclasses.fields(kind) if f.init})
-    raise NotPlainError(f"{name} is a {kind.__module__}.{kind.__qualname__}; a test compares only plain values "
-                        "(numbers, strings, tensors, and lists, tuples and dicts of them)")
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,
@@ -237,79 +268,168 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
     return t.to(device)
 
 
-def _where() -> str:
-    return f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+def _where(rank: int | None) -> str:
+    if rank is None and dist.is_initialized():
+        rank = dist.get_rank()
+    return f"rank {rank}: " if rank is not None else ""
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result",
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result", rank: int | None = None,
                  rtol: float | None = None, atol: float | None = None) -> None:
     """`torch.testing.assert_close` (float32 default: rtol 1.3e-6, atol 1e-5; exact for integers), with a
-    message that names the rank, the tensor and the largest error."""
+    message that names the rank (`rank`), the tensor and the largest error."""
+    where = _where(rank)
     if type(actual) is not torch.Tensor and type(actual) is not torch.nn.Parameter:
-        raise AssertionError(f"{_where()}{name} should be a tensor, got {type(actual).__name__}")
-    actual = plain(actual, name=name)
+        raise AssertionError(f"{where}{name} should be a tensor, got {type(actual).__name__}")
     if actual.shape != expected.shape:
-        raise AssertionError(f"{_where()}{name} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+        raise AssertionError(f"{where}{name} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
     if actual.dtype != expected.dtype:
-        raise AssertionError(f"{_where()}{name} has dtype {actual.dtype}, expected {expected.dtype}")
+        raise AssertionError(f"{where}{name} has dtype {actual.dtype}, expected {expected.dtype}")
     try:
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=rtol, atol=atol)
     except AssertionError:
         diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().nan_to_num(math.inf)
         index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
         raise AssertionError(
-            f"{_where()}{name} differs from the expected value: largest error {diff.max().item():.3g} at index "
+            f"{where}{name} differs from the expected value: largest error {diff.max().item():.3g} at index "
             f"{list(index)} (got {actual[index].item()!r}, expected {expected[index].item()!r}); "
             f"{int((diff > 0).sum())} of {diff.numel()} elements differ") from None
 
 
-def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result") -> None:
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "result",
+                 rank: int | None = None) -> None:
     """Bitwise equality (for gathers, broadcasts, copies), with the same message as `assert_close`."""
-    assert_close(actual, expected, name=name, rtol=0.0, atol=0.0)
+    assert_close(actual, expected, name=name, rank=rank, rtol=0.0, atol=0.0)
 
 
 def assert_raises(exc_type: type[BaseException], fn: Callable, *args, **kwargs) -> None:
-    """Check that `fn(*args, **kwargs)` raises `exc_type` (a bad argument must be refused, not ignored)."""
-    call = f"{getattr(fn, '__name__', fn)}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+    """Check that `fn(*args, **kwargs)` raises `exc_type` (a bad argument must be refused, not ignored). The blank
+    stub's NotImplementedError is raised as it is, so that the test says the exercise is not done yet."""
+    call = _call_text(fn, args, kwargs)
     try:
         fn(*args, **kwargs)
+    except RemoteError as e:
+        if e.is_a(exc_type):
+            return
+        if e.unfilled:
+            raise
+        raise AssertionError(f"{call} should raise {exc_type.__name__}, it raised {e.headline}") from None
     except exc_type:
         return
-    raise AssertionError(f"{_where()}{call} should raise {exc_type.__name__}")
+    raise AssertionError(f"{_where(None)}{call} should raise {exc_type.__name__}")
 
 
-def assert_trains_like_one_process(wrap: Callable, step: Callable, make_model: Callable, make_optimizer: Callable,
-                                   loss_fn: Callable, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                                   same_init: bool = False, rtol: float = 1e-5, atol: float = 1e-6):
-    """The ground truth of data parallelism: N ranks, each training on its share of every batch, end where
-    one process ends that trains the same model on the whole batches. Returns the wrapped model.
+def assert_each_raises(exc_type: type[BaseException], fn: Callable, cases: Iterable[tuple]) -> None:
+    """`assert_raises` for every case, in one request."""
+    cases = [tuple(c) for c in cases]
+    for case, reply in zip(cases, _boundary().call_each(fn, cases), strict=True):
+        call = _call_text(fn, case, {})
+        if "ok" in reply:
+            raise AssertionError(f"{call} should raise {exc_type.__name__}")
+        error = RemoteError(reply["error"])
+        if error.unfilled:
+            error.case = call
+            raise error
+        if not error.is_a(exc_type):
+            raise AssertionError(f"{call} should raise {exc_type.__name__}, it raised {error.headline}")
 
-    On this rank: `wrapped = wrap(make_model(seed))`, seed = the rank (the ranks start different, and the
-    wrapper must make them agree) or 0 with `same_init`, and `optimizer = make_optimizer(wrapped.parameters())`;
-    then, for each global batch `(inputs, targets)`, `step(wrapped, optimizer, my_inputs, my_targets)` on this
-    rank's equal share of the rows. The reference, `make_model(0)` in this process, takes one optimizer step
-    per whole batch on `loss_fn(outputs, targets)`. Every entry of `wrapped.state_dict()` must be close to
-    the reference's (parameters, frozen ones and buffers alike), within `rtol`/`atol`."""
+
+def outcome(fn: Callable, *args, **kwargs) -> dict:
+    """For a driver: what `fn(*args, **kwargs)` did, as data: {"returned": value} or {"raised": [type names,
+    most derived first], "message": text}. The test decides what it should have done (`assert_raised`)."""
+    try:
+        return {"returned": fn(*args, **kwargs)}
+    except Exception as e:  # noqa: BLE001 - reported, not judged, here
+        return {"raised": [c.__name__ for c in type(e).__mro__ if c not in (object, BaseException)],
+                "message": str(e)[:500]}
+
+
+def assert_raised(result: dict, exc_type: type[BaseException], what: str, *, rank: int | None = None) -> None:
+    """`outcome`'s record says the call raised `exc_type`."""
+    if "raised" not in result:
+        raise AssertionError(f"{_where(rank)}{what} should raise {exc_type.__name__}")
+    if exc_type.__name__ not in result["raised"]:
+        raise AssertionError(f"{_where(rank)}{what} should raise {exc_type.__name__}, it raised "
+                             f"{result['raised'][0]}: {result['message']}")
+
+
+def assert_point_to_point(record: dict, exercise: str, *, rank: int | None = None) -> None:
+    """A driver's `CommCounter.record()` shows only send/recv (isend, irecv and batch_isend_irecv call these), and
+    no operation that bypassed the counter."""
+    for op, _, _ in record["calls"]:
+        if op not in POINT_TO_POINT:
+            raise AssertionError(f"{_where(rank)}{exercise} called dist.{op}{_allowed(POINT_TO_POINT)}")
+    assert_nothing_hidden(record, exercise, rank=rank)
+
+
+def assert_nothing_hidden(record: dict, exercise: str, *, rank: int | None = None) -> None:
+    """No communication slipped past the counter (a dispatch mode switched off around a collective)."""
+    if record["hidden"]:
+        raise AssertionError(f"{_where(rank)}{exercise} issued {record['hidden']} communication operation(s) that "
+                             "bypassed torch's dispatcher (a disabled dispatch mode?): every call must be visible "
+                             "to the test")
+
+
+# Loopback traffic, measured outside the sandbox, against the bytes the drivers say were sent: each message costs
+# bytes of its own (TCP/IP headers, gloo's framing, acknowledgements), measured on the masters of notebook 01.
+WIRE_BYTES_PER_MESSAGE = 512
+WIRE_BYTES_SLACK = 4096
+
+
+def assert_wire_agrees(records: list[dict], what: str) -> None:
+    """The bytes the ranks say they sent (their drivers' `CommCounter.record()`s) are the bytes that crossed their
+    network, measured from outside (`last_traffic`): a call hidden from the counters, or one reported but never
+    made, shows up as a difference. Nothing is checked where the traffic cannot be measured."""
+    measured = last_traffic()
+    if measured is None:
+        return
+    reported = sum(nbytes for r in records for op, nbytes, _ in r["calls"] if op == "send")
+    messages = sum(1 for r in records for op, _, _ in r["calls"] if op == "send")
+    if not reported <= measured <= reported + messages * WIRE_BYTES_PER_MESSAGE + WIRE_BYTES_SLACK:
+        raise AssertionError(f"{what}: the ranks report sending {reported} bytes in {messages} messages, but "
+                             f"{measured} bytes crossed their network: communication the counters did not see, "
+                             "or that did not happen")
+
+
+def train_my_share(wrap: Callable, step: Callable, make_model: Callable, make_optimizer: Callable,
+                   batches: list[tuple[torch.Tensor, torch.Tensor]], *, same_init: bool = False) -> dict:
+    """For a driver: train `wrap(make_model(seed))` on this rank's equal share of the rows of every batch, with
+    `step(wrapped, optimizer, my_inputs, my_targets)`; seed = the rank (the ranks start different, and the wrapper
+    must make them agree) or 0 with `same_init`. Returns the wrapped model's `state_dict()` (the test compares it
+    with `train_one_process`'s)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     wrapped = wrap(make_model(0 if same_init else rank))
     optimizer = make_optimizer(wrapped.parameters())
-    reference = make_model(0)
-    reference_optimizer = make_optimizer(reference.parameters())
     for inputs, targets in batches:
         if len(inputs) % n:
             raise ValueError(f"a batch of {len(inputs)} rows does not split evenly over {n} ranks")
         mine = slice(rank * len(inputs) // n, (rank + 1) * len(inputs) // n)
         step(wrapped, optimizer, inputs[mine], targets[mine])
-        reference_optimizer.zero_grad()
-        loss_fn(reference(inputs), targets).backward()
-        reference_optimizer.step()
-    actual, expected = wrapped.state_dict(), reference.state_dict()
-    if list(actual) != list(expected):
-        raise AssertionError(f"{_where()}state_dict() has the keys {list(actual)}, expected the wrapped model's "
+    return dict(wrapped.state_dict())
+
+
+def train_one_process(make_model: Callable, make_optimizer: Callable, loss_fn: Callable,
+                      batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """The ground truth of data parallelism, on the test's side: `make_model(0)` trained in this process, one
+    optimizer step per whole batch on `loss_fn(outputs, targets)`; its `state_dict()`."""
+    model = make_model(0)
+    optimizer = make_optimizer(model.parameters())
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+def assert_state_close(actual: dict, expected: dict, *, what: str, rank: int | None = None,
+                       rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """A state dict (a driver's result) has the expected keys, in order, and every entry close to the expected."""
+    if not isinstance(actual, dict) or list(actual) != list(expected):
+        keys = list(actual) if isinstance(actual, dict) else type(actual).__name__
+        raise AssertionError(f"{_where(rank)}state_dict() has the keys {keys}, expected the wrapped model's "
                              f"{list(expected)}")
     for name, tensor in expected.items():
-        assert_close(actual[name], tensor, name=f"{name} after {len(batches)} steps", rtol=rtol, atol=atol)
-    return wrapped
+        assert_close(actual[name], tensor, name=f"{name} {what}", rank=rank, rtol=rtol, atol=atol)
 
 
 def collective_counts(comm: CommCounter) -> dict[str, int]:

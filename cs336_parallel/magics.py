@@ -1,4 +1,6 @@
-"""`%cluster` and `%%ranks`: start a group of ranks from a notebook and run cells on every rank."""
+"""`%cluster` and `%%ranks`: start a group of ranks from a notebook and run cells on every rank. Also the test
+cells' magics (`%%test`, `%%test_helpers`, cs336_parallel.testcell), `%grade`, and `%cs336_call`, by which the
+grader's process reaches the exercises in this kernel (cs336_parallel.boundary)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from pathlib import Path
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import testcell
+from .boundary import RESULT_MIME
 from .cluster import CLUSTER_TIMEOUT, Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
-from .testcell import define_helpers, run_test
 
 
 def _pushable(value) -> bool:
@@ -126,13 +129,26 @@ class ClusterMagics(Magics):
 
     @cell_magic
     def test(self, line: str, cell: str) -> None:
-        """%%test NAME: a test cell of the exercise NAME. It runs apart from the notebook's other names, on fresh
-        test ranks, and fails with one line saying which case failed (cs336_parallel.testcell)."""
+        """%%test NAME: a test cell of the exercise NAME. It reaches the exercise only across the boundary (plain
+        data back), runs on fresh test ranks, and fails with one line saying which case failed (testcell)."""
         names = line.split()
         if not names:
             raise UsageError("%%test needs the name of the exercise it tests, e.g. %%test ring_all_reduce")
-        run_test("\n" + cell, names, self.shell.user_ns, filename=f"<test of {' '.join(names)}>",
-                 is_cell=lambda filename: filename in self.shell.compile._filename_map)
+        testcell.run_in_notebook("\n" + cell, names, self.shell.user_ns, filename=f"<test of {' '.join(names)}>",
+                                 is_cell=self._is_cell)
+
+    @line_magic
+    @no_var_expand  # the request is data: IPython's $name expansion would only cost time
+    def cs336_call(self, line: str) -> None:
+        """%cs336_call REQUEST: a request from the grader's process (cs336_parallel.boundary), answered with a
+        display of plain data. Not for learners: the grader sends it while it grades this notebook."""
+        reply = testcell.kernel_side(self.shell.user_ns, self._is_cell).serve(line.strip())
+        from IPython.display import publish_display_data
+
+        publish_display_data({RESULT_MIME: reply})
+
+    def _is_cell(self, filename: str) -> bool:
+        return filename in self.shell.compile._filename_map
 
     @line_magic
     def grade(self, line: str) -> None:
@@ -142,15 +158,15 @@ class ClusterMagics(Magics):
         if not path:
             raise UsageError("Which notebook? Run %grade notebooks/01_collectives.ipynb (this kernel was not "
                              "started by JupyterLab, so it does not know its notebook).")
-        course = Path(__file__).resolve().parent.parent / "grading" / "course.py"
-        if not course.exists():
+        repository = Path(__file__).resolve().parent.parent
+        if not (repository / "grading" / "course.py").exists():
             raise UsageError("Grading needs the course's repository (its grading/ folder, with the hidden tests); "
                              "this installation of cs336_parallel has none. Clone the repository to grade yourself.")
         saved = time.strftime("%H:%M:%S", time.localtime(os.path.getmtime(path)))
         print(f"Grading {os.path.basename(path)} as saved at {saved} (press Ctrl+S first if you changed it since).",
               flush=True)
-        with subprocess.Popen([sys.executable, str(course), "selfgrade", path], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) as grader:
+        with subprocess.Popen([sys.executable, "-m", "grading", "selfgrade", os.path.abspath(path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repository) as grader:
             for output in grader.stdout:
                 print(output, end="", flush=True)
         if grader.returncode:
@@ -158,8 +174,8 @@ class ClusterMagics(Magics):
 
     @cell_magic
     def test_helpers(self, line: str, cell: str) -> None:
-        """%%test_helpers: a read-only cell of checks that later %%test cells share (cs336_parallel.testcell)."""
-        define_helpers("\n" + cell, filename=f"<test helpers {self.shell.execution_count}>")
+        """%%test_helpers: a read-only cell of drivers and checks that later %%test cells share (testcell)."""
+        testcell.define_helpers("\n" + cell, testcell.helpers, filename=f"<test helpers {self.shell.execution_count}>")
 
     def _require(self) -> Cluster:
         if self.cluster_ is None:

@@ -1,31 +1,32 @@
-"""`%%test NAME`: how a notebook's test cell runs, so that its verdict can be trusted and understood.
+"""`%%test NAME`: a test cell, and how it runs on either side of the trust boundary.
 
     %%test ring_all_reduce
-    checks.run(4, check_all_reduce, ring_all_reduce)
+    got = checks.run(4, run_all_reduce, ring_all_reduce, 1000)
+    expected = sum(checks.random_tensor((1000,), seed=r) for r in range(4))
+    for rank, result in enumerate(got):
+        checks.assert_close(result["x"], expected, name="x", rank=rank)
 
-Answer cells run in the same kernel, and on the same ranks, as the tests that grade them. So a test cell:
+A test cell's code is the test's own. It reaches the exercise `NAME` only through a handle (`boundary.Exercise`):
+calling it, or running a driver on the ranks with it (`checks.run`), is a request that returns plain data, which
+the test compares with values it computes itself. It runs in a namespace of its own: the builtins, `torch`,
+`dist`, `nn`, `F`, `math`, `checks`, what the `%%test_helpers` cells defined, and a handle (or the plain value) of
+each exercise it names. Nothing else of the notebook's reaches it. It fails with one line that says which case
+failed, then the frames of the learner's own code; the test's code is never shown.
 
-- runs in a namespace of its own: the builtins as they were before any answer cell ran; `torch`, `dist`,
-  `nn`, `F`, `math` and `checks`; the helpers of read-only `%%test_helpers` cells; and the exercise
-  `NAME`, taken from the notebook. Nothing else of the notebook's reaches it: an answer cell that defines
-  `simulate` or `len` changes nothing here, and a test cannot depend on another exercise's answer.
-  Anything else it needs, it imports from the package.
-- gets plain values back from the exercise (`checks.plain`): a result whose `__eq__` is always true is
-  refused, not compared;
-- refuses to run if anything tests rely on has been replaced since the notebook loaded the extension,
-  and fails if the exercise replaces something while it runs (`integrity`);
-- runs its ranks fresh (`checks.fresh_ranks`): nothing an earlier cell ran on a test rank is left there;
-- fails with one line that says which case failed, then the frames of the learner's own code. The
-  test's own code is never shown: its hidden part is the grader's secret.
+Where it runs:
+- in the notebook, the learner's loop: in the kernel, through `InProcess` (the student version's visible tests);
+- when a notebook is graded: in the grader's process (grading/grader.py), which holds the hidden tests and sends
+  each request to the sandboxed kernel. A kernel asked to run a `%%test` cell while it is being graded refuses:
+  the grader's configuration did not load, and no test is trusted there.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import builtins
 import math
+import os
 import re
-import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks, integrity
-from .errors import RankError, RankTimeout, format_frames
-from .worker import Failure, Frame
+from . import checks
+from .boundary import Boundary, Exercise, InProcess, KernelSide, RemoteError
 
 MAX_REASON = 400  # characters of the one-line reason
 
@@ -54,96 +54,58 @@ class TestFailed(AssertionError):
         return [f"{red}TestFailed{reset}: {self.reason}", *self.frames]
 
 
-_helpers: dict[str, Any] = {}  # what `%%test_helpers` cells defined, out of the notebook's reach
-
-
-def _base_namespace() -> dict:
-    return {"__builtins__": integrity.pristine_builtins(), "__name__": "__test__",
+def base_namespace(builtin_names: dict | None = None) -> dict:
+    """What every test and helper cell starts with."""
+    return {"__builtins__": builtin_names or vars(builtins), "__name__": "__test__",
             "torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "checks": checks}
 
 
-def define_helpers(source: str, *, filename: str) -> None:
-    """Run a read-only `%%test_helpers` cell: what it defines is given to every later `%%test` cell (and
-    nowhere else), so the tests of one exercise can share their checks without trusting the notebook."""
-    namespace = _base_namespace() | _helpers
+def define_helpers(source: str, helpers: dict, *, filename: str, builtin_names: dict | None = None) -> None:
+    """Run a read-only `%%test_helpers` cell: what it defines joins `helpers`, which every later test cell sees
+    (and nothing else: its drivers run on the ranks, its checks in the test)."""
+    namespace = base_namespace(builtin_names) | helpers
     exec(compile(source, filename, "exec"), namespace)
-    _helpers.update({k: v for k, v in namespace.items() if not k.startswith("__")})
+    helpers.update({k: v for k, v in namespace.items() if not k.startswith("__")})
 
 
-def run_test(source: str, names: list[str], user_ns: dict, *, filename: str, is_cell: Any = None) -> None:
-    """Run a test cell's `source` for the exercises `names` (see the module docstring); raise `TestFailed`."""
-    tampered = integrity.changes()
-    if tampered:
-        raise TestFailed(f"an answer cell replaced {_listed(tampered)}, which tests rely on: no test runs in "
-                         "a kernel changed this way (restart the kernel and remove that code).")
-    missing = [n for n in names if n not in user_ns]
+def run_test(source: str, names: Sequence[str], *, boundary: Boundary, helpers: dict, filename: str,
+             builtin_names: dict | None = None) -> None:
+    """Run a test cell's `source` for the exercises `names` across `boundary`; raise `TestFailed` if it fails."""
+    try:
+        found = boundary.begin(names)
+    except RemoteError as e:
+        raise TestFailed(_one_line(f"the notebook could not be asked for {_listed(names)}: {e.headline}")) from None
+    missing = [n for n in names if found[n]["kind"] == "missing"]
     if missing:
         raise TestFailed(f"{_listed(missing)} is not defined: run the cell that defines it, then this one.")
-    checks.fresh_ranks(tuple((n, id(user_ns[n])) for n in names))
-    namespace = _base_namespace() | _helpers | {n: _returning_plain(user_ns[n]) for n in names}
+    handles = {n: found[n]["value"] if found[n]["kind"] == "value" else Exercise(n, boundary, found[n]["kind"])
+               for n in names}
+    namespace = base_namespace(builtin_names) | helpers | handles
     try:
-        exec(compile(source, filename, "exec"), namespace)
+        with checks.using(boundary):
+            exec(compile(source, filename, "exec"), namespace)
     except KeyboardInterrupt:
         raise
+    except TestFailed:
+        raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the test's verdict
-        _refuse_if_tampered(names)
-        raise exc if isinstance(exc, TestFailed) else TestFailed(*_explain(exc, names, is_cell)) from None
-    _refuse_if_tampered(names)
+        raise TestFailed(*explain(exc, names)) from None
 
 
-def _refuse_if_tampered(names: list[str]) -> None:
-    tampered = integrity.changes()
-    if tampered:
-        raise TestFailed(f"{_listed(names)} replaced {_listed(tampered)} while the test ran, which tests rely "
-                         "on: this test scores 0 (restart the kernel and remove that code).")
-
-
-def _returning_plain(obj: Any) -> Any:
-    """A function that returns `plain` values; classes and other objects as they are."""
-    if inspect.isclass(obj) or not callable(obj):
-        return obj
-
-    @functools.wraps(obj)
-    def exercise(*args, **kwargs):
-        return checks.plain(obj(*args, **kwargs), name=f"the value {getattr(obj, '__name__', 'it')} returned")
-
-    return exercise
-
-
-def _explain(exc: BaseException, names: list[str], is_cell) -> tuple[str, list[str]]:
-    """The one-line reason for `exc`, and the learner's own frames (those in notebook cells) under it."""
-    is_cell = is_cell or (lambda filename: False)
-    case = f"{exc.case}: " if getattr(exc, "case", None) else ""
-    if isinstance(exc, RankTimeout):
-        frames = []
-        for rank, stack in exc.stacks.items():
-            frames += _frames(f"Your code on rank {rank}, where it was waiting", stack, is_cell)
-        return _one_line(case + exc.headline), frames
-    if isinstance(exc, RankError):
-        failure = exc.failure
-        if failure is not None and failure.type_name == "NotImplementedError" and not _message(failure):
+def explain(exc: BaseException, names: Sequence[str]) -> tuple[str, list[str]]:
+    """The one-line reason for `exc`, and the learner's own frames (lines of notebook cells) under it."""
+    case = f"{exc.case}: " if getattr(exc, "case", "") else ""
+    if isinstance(exc, RemoteError):
+        if exc.unfilled:
             return f"{_listed(names)} is not implemented yet (its cell still raises NotImplementedError).", []
         headline = exc.headline
-        if failure is not None and failure.type_name == "AssertionError":  # a check failed: its message says why
-            message = _message(failure) or "an assertion failed"
+        if exc.type_name == "AssertionError" and exc.rank is not None:  # a driver's own check: its message says why
+            message = exc.message or "an assertion failed"
             headline = message if message.startswith("rank ") else f"rank {exc.rank}: {message}"
-        stack = failure.frames if failure is not None else []
-        return _one_line(case + headline), _frames(f"Your code on rank {exc.rank}", stack, is_cell)
-    frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)]
-    if isinstance(exc, NotImplementedError) and not str(exc):
-        return f"{_listed(names)} is not implemented yet (its cell still raises NotImplementedError).", []
+        return _one_line(case + headline), exc.frames
     message = str(exc) or "(no message)"
     reason = message if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {message}"
-    return _one_line(reason), _frames("Your code", frames, is_cell)
-
-
-def _message(failure: Failure) -> str:
-    return failure.message.split(":", 1)[1].strip() if ":" in failure.message else ""
-
-
-def _frames(title: str, frames: list[Frame], is_cell) -> list[str]:
-    mine = [f for f in frames if is_cell(f.filename)]
-    return [f"{title} (most recent call last):", *format_frames(mine)] if mine else []
+    return _one_line(case + reason), []
 
 
 def _one_line(text: str) -> str:
@@ -151,6 +113,28 @@ def _one_line(text: str) -> str:
     return line if len(line) <= MAX_REASON else line[: MAX_REASON - 3] + "..."
 
 
-def _listed(items: list[str]) -> str:
-    return ", ".join(f"`{i}`" if re.fullmatch(r"\w+", i) else i for i in items[:3]) + (" and more" if len(items) > 3
-                                                                                        else "")
+def _listed(items: Sequence[str]) -> str:
+    items = list(items)
+    return ", ".join(f"`{i}`" if re.fullmatch(r"\w+", i) else i for i in items[:3]) + (
+        " and more" if len(items) > 3 else "")
+
+
+# -- the kernel's side: the learner's loop, and the grader's requests ------------------------------------------------
+
+helpers: dict[str, Any] = {}  # what this kernel's `%%test_helpers` cells defined (drivers, data, checks)
+
+
+def kernel_side(user_ns: dict, is_cell: Callable[[str], bool]) -> KernelSide:
+    """This kernel's side of the boundary: the notebook's names are the exercises, its helper cells the drivers."""
+    return KernelSide(user_ns, helpers, is_cell)
+
+
+def run_in_notebook(source: str, names: Sequence[str], user_ns: dict, *, filename: str,
+                    is_cell: Callable[[str], bool]) -> None:
+    """A `%%test` cell in the learner's own kernel: the test runs here, through `InProcess`. Refused while the
+    notebook is being graded (nbgrader's executor sets NBGRADER_EXECUTION): then tests run in the grader."""
+    if os.environ.get("NBGRADER_EXECUTION") == "autograde":
+        raise TestFailed("this test cell reached the notebook's kernel while it was graded: tests run in the "
+                         "grader's own process, so the course's grading configuration did not load; no test runs "
+                         "here.")
+    run_test(source, names, boundary=InProcess(kernel_side(user_ns, is_cell)), helpers=helpers, filename=filename)

@@ -1,10 +1,11 @@
 """Grading a class: every submission run in a sandbox of its own, N at a time, scored by the grader alone.
 
 Two stages, so that only the instructor's process writes the gradebook:
-1. **execute** (`grading/runner.py`): a submission's notebook runs in a sandbox under limits; the executed
-   notebook and run.json land in <course>/executed/<assignment>/<student>/. N run at once, each driven by a
-   thread of the grader (the kernels and ranks are the sandboxes' processes). On Slurm, each task of a job
-   array executes its share (`execute_shard`) into the same folder, on a shared file system.
+1. **execute** (`grading/runner.py`): a submission's notebook runs in a sandbox under limits, its test cells in
+   the grader's process (grading/grader.py); the executed notebook and run.json land in
+   <course>/executed/<assignment>/<student>/. N run at once, each driven by a thread of the grader (the kernels
+   and ranks are the sandboxes' processes). On Slurm, each task of a job array executes its share
+   (`execute_shard`) into the same folder, on a shared file system.
 2. **score** (`score`): nbgrader's autograde, in the grader's process: it restores the course's cells itself,
    takes the executed notebook's outputs in place of running it (`Replay`), then runs the course's verdict
    preprocessors and writes the gradebook.
@@ -29,15 +30,15 @@ from functools import cache
 from pathlib import Path
 
 import nbformat
-from nbgrader.preprocessors import Execute, NbGraderPreprocessor
+from nbgrader.preprocessors import NbGraderPreprocessor
 from traitlets import Unicode
 from traitlets.config import Config
 
 import cs336_parallel
-from grading import cgroup, runner, sandbox
-from grading.runner import Job, Limits, Run
+from grading import cgroup, gradebook, report, runner, sandbox, verdict
+from grading.gradebook import Submission, submissions
+from grading.runner import Limits, Run
 
-RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
 # `%cluster start -n 4`, `checks.run(4, ...)`, `Cluster(4)`: the world sizes a notebook starts.
 WORLD_SIZE = re.compile(r"(?:%cluster start -n |checks\.run\(|Cluster\()\s*(\d+)")
 
@@ -46,15 +47,7 @@ class Interrupted(Exception):
     """Grading was stopped (Ctrl-C); what finished is kept, and the same command resumes."""
 
 
-# -- which submissions, and how many at once --------------------------------------------------------------
-
-def submissions(names: Iterable[str], root: Path, students: Iterable[str] | None = None) -> list[Job]:
-    """Every submitted/<student>/<assignment>/ of the named assignments (of `students` only, if given)."""
-    wanted = set(students) if students else None
-    return [Job(name, folder.name, str(root)) for name in names
-            for folder in sorted((root / "submitted").glob("*"))
-            if (folder / name).is_dir() and (wanted is None or folder.name in wanted)]
-
+# -- how many at once --------------------------------------------------------------
 
 @cache
 def world_size(master: Path) -> int:
@@ -82,7 +75,7 @@ def default_jobs(names: Iterable[str], root: Path) -> int:
 
 # -- stage 1: execute ---------------------------------------------------------------------------------------
 
-def executed(job: Job, results: Path) -> Run | None:
+def executed(job: Submission, results: Path) -> Run | None:
     """The finished run of this version of the submission, if there is one."""
     run = runner.load_run(results, job.assignment, job.student)
     return run if run is not None and not run.error and run.key == job.key() else None
@@ -91,7 +84,7 @@ def executed(job: Job, results: Path) -> Run | None:
 def gradebook_snapshot(root: Path, into: Path) -> str:
     """A copy of the gradebook for the runs to read the course's cells from (the grader writes the original)."""
     if not (root / "gradebook.db").exists():
-        raise SystemExit(f"{root / 'gradebook.db'} does not exist: run `python grading/course.py prepare "
+        raise SystemExit(f"{root / 'gradebook.db'} does not exist: run `python -m grading prepare "
                          "ASSIGNMENT` first (nbgrader learns the assignment's cells)")
     shutil.copy(root / "gradebook.db", into / "gradebook.db")
     return f"sqlite:///{into / 'gradebook.db'}"
@@ -99,10 +92,10 @@ def gradebook_snapshot(root: Path, into: Path) -> str:
 
 def check_sandbox(use_sandbox: bool) -> None:
     """Stop with a clear message where no sandbox can run, unless grading without one was asked for."""
-    if use_sandbox and (problem := sandbox.problem()):
+    if use_sandbox and (problem := sandbox.unavailable()):
         raise SystemExit(f"Submissions cannot be isolated here: {problem}.\nInstall bubblewrap (`make sandbox`), "
-                         "or grade without isolation, at your own risk: `course.py autograde --no-sandbox ...` "
-                         "(course.autograde(..., sandbox=False)).")
+                         "or grade without isolation, at your own risk: `python -m grading autograde --no-sandbox` "
+                         "(classroom.autograde(..., use_sandbox=False)).")
 
 
 @contextmanager
@@ -122,8 +115,8 @@ def ctrl_c(pressed: threading.Event | None = None) -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def execute(jobs: list[Job], root: Path, config: Config, *, parallel: int, limits: Limits, use_sandbox: bool,
-            results: Path, done: Callable[[Job, Run], None] = lambda job, run: None,
+def execute(jobs: list[Submission], root: Path, config: Config, *, parallel: int, limits: Limits, use_sandbox: bool,
+            results: Path, done: Callable[[Submission, Run], None] = lambda job, run: None,
             pressed: threading.Event | None = None) -> None:
     """Run `jobs`, `parallel` at a time; `done(job, run)` is called in this thread as each one finishes.
     Ctrl-C (or `pressed` set) stops every running notebook, keeps nothing of theirs and raises `Interrupted`."""
@@ -169,7 +162,7 @@ def execute_shard(names: list[str], root: Path, config: Config, *, shard: int, s
     runs: list[Run] = []
     print(f"shard {shard}/{shards}: {len(mine)} submissions, {len(todo)} to execute", flush=True)
 
-    def finished(job: Job, run: Run) -> None:
+    def finished(job: Submission, run: Run) -> None:
         runs.append(run)
         status = run.error or run.limit or "ok"
         print(f"shard {shard}: {job.student}/{job.assignment} in {run.seconds:g} s: {status}", flush=True)
@@ -203,73 +196,74 @@ class Replay(NbGraderPreprocessor):
 
 
 def scoring_config(results: Path) -> Config:
-    """The course's autograde preprocessors, with `Replay` in place of `Execute`."""
-    from grading import course
-
-    configured = course.api().config.Autograde.autograde_preprocessors
-    preprocessors = [Replay if isinstance(p, type) and issubclass(p, Execute) else p for p in configured]
+    """The course's autograde preprocessors, with `Replay` in place of the executor (which nbgrader's own autograde
+    would use, and the course's configuration refuses: verdict.RefuseExecute)."""
+    configured = gradebook.config().Autograde.autograde_preprocessors
+    preprocessors = [Replay if p is verdict.RefuseExecute else p for p in configured]
     return Config({"Autograde": {"autograde_preprocessors": preprocessors}, "Replay": {"results": str(results)}})
 
 
-def scored(job: Job, results: Path) -> bool:
+def scored(job: Submission, results: Path) -> bool:
     marker = runner.result_dir(results, job.assignment, job.student) / "scored"
     autograded = Path(job.root) / "autograded" / job.student / job.assignment / f"{job.assignment}.ipynb"
     run = runner.load_run(results, job.assignment, job.student)
     return run is not None and marker.exists() and marker.read_text() == run.key and autograded.exists()
 
 
-def score(job: Job, results: Path, grader) -> None:
+def score(job: Submission, results: Path, grader) -> None:
     """nbgrader's autograde of one executed submission, in this process: the only writer of the gradebook."""
-    from grading import course
-
-    course._check(grader.autograde(job.assignment, job.student), f"score {job.student}/{job.assignment}")
+    gradebook.check(grader.autograde(job.assignment, job.student), f"score {job.student}/{job.assignment}")
     run = runner.load_run(results, job.assignment, job.student)
     (runner.result_dir(results, job.assignment, job.student) / "scored").write_text(run.key)
 
 
 # -- the whole class ------------------------------------------------------------------------------------------
 
-def _sandbox_wanted(use_sandbox: bool | None) -> bool:
+def sandbox_wanted(use_sandbox: bool | None) -> bool:
     """None: as CS336_GRADING_SANDBOX says: `required` (the default), `auto` (where bwrap runs; the test
     suite's choice, so that it also passes where no sandbox can run) or `off`."""
     if use_sandbox is not None:
         return use_sandbox
     mode = os.environ.get("CS336_GRADING_SANDBOX", "required")
-    return mode == "required" or (mode == "auto" and sandbox.problem() is None)
+    return mode == "required" or (mode == "auto" and sandbox.unavailable() is None)
 
 
-def autograde(names: list[str], root: Path, *, jobs: int | None = None, students: Iterable[str] | None = None,
-              force: bool = False, limits: Limits | None = None, use_sandbox: bool | None = None,
-              results: Path | None = None) -> list[Run]:
-    """Grade every submission of `names`: execute what has no finished result (all of `students`' if given,
-    everything with `force`), `jobs` at a time, and score each in this process as it finishes. Returns the
-    runs executed now. A submission that could not be run is reported, and the others are still graded."""
+def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, jobs: int | None = None,
+              students: Iterable[str] | None = None, force: bool = False, limits: Limits | None = None,
+              use_sandbox: bool | None = None, results: Path | None = None) -> list[Run]:
+    """Grade every submission of `names` (all assignments by default), each in a sandbox of its own: execute what
+    has no finished result (all of `students`' if given, everything with `force`), `jobs` at a time (default: what
+    the cores allow), with a progress bar; score each in this process as it finishes; then write the class report.
+
+    Every submission of every named assignment goes into one pool: `autograde(names, root, jobs=2)` grades the
+    whole list in parallel. Returns the runs executed now. A submission that could not be run is reported, and
+    the others are still graded. `use_sandbox=False` grades without isolation (None: as CS336_GRADING_SANDBOX
+    says; `required` by default)."""
     from tqdm.auto import tqdm
 
-    from grading import course
-
-    results = results or root / RESULTS
-    grader = course.prepare(names, root)
+    names = names or gradebook.assignments(root)
+    results = results or root / runner.RESULTS
+    grader = gradebook.prepare(names, root)
     everyone = submissions(names, root)
     if students and (unknown := set(students) - {job.student for job in everyone}):
         raise SystemExit(f"no submission of {', '.join(sorted(names))} from {', '.join(sorted(unknown))}")
     again = set(students or ())
     to_execute = [j for j in everyone if force or j.student in again or executed(j, results) is None]
     to_score = [j for j in everyone if j not in to_execute and not scored(j, results)]
-    scorer = course.api(root, scoring_config(results))
+    scorer = gradebook.api(root, scoring_config(results))
     problems: list[str] = []
     runs: list[Run] = []
     bar = tqdm(total=len(everyone), initial=len(everyone) - len(to_execute) - len(to_score), desc="autograding",
                unit="notebook")
 
-    def score_one(job: Job) -> None:
+    def score_one(job: Submission) -> None:
         try:
             score(job, results, scorer)
         except Exception as e:  # noqa: BLE001 - reported below; the class goes on
             problems.append(f"{job.student}/{job.assignment}: {e}")
         bar.update()
 
-    def done(job: Job, run: Run | None) -> None:
+    def done(job: Submission, run: Run | None) -> None:
         if run is None:
             return
         runs.append(run)
@@ -286,31 +280,48 @@ def autograde(names: list[str], root: Path, *, jobs: int | None = None, students
                     raise Interrupted("stopped while scoring: run the same command again to go on from there")
                 score_one(job)
             execute(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root),
-                    limits=limits or Limits(), use_sandbox=_sandbox_wanted(use_sandbox), results=results, done=done,
+                    limits=limits or Limits(), use_sandbox=sandbox_wanted(use_sandbox), results=results, done=done,
                     pressed=pressed)
     finally:
         bar.close()
+    report.write(names, root, results=results)
     if problems:
         raise RuntimeError("some submissions were not graded:\n" + "\n".join(problems))
     return runs
 
 
 def merge(names: list[str], root: Path, results: Path | None = None) -> int:
-    """Score every executed submission of `names` not scored yet (the shards' results) into the gradebook.
-    Returns how many were scored; lists the submissions that have no result yet."""
+    """Score every executed submission of `names` not scored yet (the shards' results) into the gradebook, then
+    write the class report. Returns how many were scored; lists the submissions that have no result yet."""
     from tqdm.auto import tqdm
 
-    from grading import course
-
-    results = results or root / RESULTS
-    course.prepare(names, root)
+    results = results or root / runner.RESULTS
+    gradebook.prepare(names, root)
     everyone = submissions(names, root)
     ran = [(j, executed(j, results) is not None) for j in everyone]
     missing = [f"{j.student}/{j.assignment}" for j, ok in ran if not ok]
     todo = [j for j, ok in ran if ok and not scored(j, results)]
-    scorer = course.api(root, scoring_config(results))
+    scorer = gradebook.api(root, scoring_config(results))
     for job in tqdm(todo, desc="scoring", unit="notebook"):
         score(job, results, scorer)
+    report.write(names, root, results=results)
     if missing:
         print(f"{len(missing)} submissions have no result yet (a shard did not finish?): {', '.join(missing[:20])}")
     return len(todo)
+
+
+def selfgrade(notebook: Path) -> list[gradebook.Score]:
+    """Grade a learner's own notebook against the hidden tests, in a throwaway copy of the course: as a class is
+    graded (the tests in this process, the notebook's kernel isolated where a sandbox runs), one line per test."""
+    name = notebook.stem
+    if name not in gradebook.assignments():
+        raise SystemExit(f"{notebook} is not one of the course's notebooks ({', '.join(gradebook.assignments())})")
+    with tempfile.TemporaryDirectory(prefix="cs336-selfgrade-") as tmp:
+        root = Path(tmp)
+        shutil.copytree(gradebook.COURSE / "source" / name, root / "source" / name)
+        target = root / "submitted" / "me" / name
+        target.mkdir(parents=True)
+        shutil.copy(notebook, target / f"{name}.ipynb")
+        print(f"Running {notebook} with the hidden tests (about as long as running it top to bottom)...")
+        autograde([name], root, use_sandbox=sandbox.unavailable() is None)
+        return gradebook.scores(name, "me", root)

@@ -1,12 +1,16 @@
-"""nbgrader configuration of the course. grading/course.py points CourseDirectory.root at this folder
-(or at a temporary copy, for self-grading and tests)."""
+"""nbgrader configuration of the course. grading/gradebook.py loads it, whatever the course folder (CourseDirectory.root
+is set there), and refuses to grade if it does not load or does not configure the course's grader: grading never
+falls back to nbgrader's defaults."""
+
+import sys
 
 c = get_config()  # noqa: F821 - nbgrader defines it
 
 c.CourseDirectory.course_id = "cs336-parallel"
 
-# Test cells start ranks and run them; a deadlocked exercise fails its own test after
-# cs336_parallel.checks.TEST_TIMEOUT_S (30 s). This limit is the backstop for anything else.
+# The notebook's cells run in a sandboxed kernel (grading/runner.py); its test cells run in the grader's own
+# process (grading/grader.py). A deadlocked exercise fails its own test after cs336_parallel.checks.TEST_TIMEOUT_S
+# (30 s); this limit per cell is the backstop for anything else.
 c.Execute.timeout = 300
 c.Execute.kernel_name = "cs336-parallel"  # registered by `make lab` / `make test`
 # nbgrader's default argument, plus: the kernel's start-up notices stay out of the grader's console.
@@ -16,27 +20,28 @@ c.Execute.extra_arguments = ["--HistoryManager.hist_file=:memory:", "--IPKernelA
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
-# Scores an answer cannot fake (grading/verdict.py): no partial credit from a displayed number, and no trust in
-# tests that run after code reaching into the kernel or the grader. The feedback shows no hidden test.
-import os.path as _path  # noqa: E402
-import sys as _sys  # noqa: E402
+try:
+    from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor
+    from nbconvert.preprocessors.sanitize import SanitizeHTML
+    from nbgrader.preprocessors import (
+        AssignLatePenalties,
+        CheckCellMetadata,
+        ClearHiddenTests,
+        GetGrades,
+        IgnorePattern,
+        LimitOutput,
+        SaveAutoGrades,
+    )
 
-_sys.path.insert(0, _path.dirname(_path.dirname(_path.abspath(__file__))))
-from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor  # noqa: E402
-from nbgrader.preprocessors import (  # noqa: E402
-    AssignLatePenalties,
-    CheckCellMetadata,
-    ClearHiddenTests,
-    Execute,
-    GetGrades,
-    IgnorePattern,
-    LimitOutput,
-    SaveAutoGrades,
-)
+    from grading.verdict import RefuseExecute
+except ImportError as e:  # SystemExit, not an exception: nbgrader would log an exception and grade with defaults
+    sys.exit(f"cs336-parallel: the course's grading code could not be imported ({e}); nothing is graded. Grade "
+             "from the repository root with `python -m grading autograde` (grading/README.md).")
 
-from grading.verdict import FlagTampering, NoPartialCredit  # noqa: E402
-
+# nbgrader's own `autograde` would run the tests in the student's kernel: RefuseExecute stops it. The course's
+# grader (`python -m grading autograde`) executes each notebook itself and puts `Replay` in its place.
 c.Autograde.autograde_preprocessors = [
-    Execute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, FlagTampering, NoPartialCredit, SaveAutoGrades,
-    AssignLatePenalties, CheckCellMetadata]
-c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
+    RefuseExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
+    CheckCellMetadata]
+# The feedback shows no hidden test, and what a submission displayed as HTML or JavaScript only as sanitized text.
+c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, SanitizeHTML, CSSHTMLHeaderPreprocessor]

@@ -1,6 +1,7 @@
 """Running one submission: its notebook, with the course's test cells restored, executed in a sandbox under
 limits. What comes back is the executed notebook, built by the grader's own executor from the kernel's
-messages; nothing in the sandbox can write it. The grader then scores it (grading/classroom.py).
+messages; nothing in the sandbox can write it. The course's test cells never reach the kernel: they run in this
+process (grading/grader.py) and ask the kernel for plain data. The grader then scores it (grading/classroom.py).
 
 Limits, per notebook (`Limits`):
 - wall-clock time, the kernel's start included: each cell may take what is left of it (and at most
@@ -14,7 +15,6 @@ scores 0 with that reason, and the cells before keep their points.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -34,8 +34,13 @@ from nbgrader.preprocessors.execute import UnresponsiveKernelError
 from traitlets import Enum
 from traitlets.config import Config
 
+from cs336_parallel.boundary import RESULT_MIME
 from grading import cgroup, sandbox
 from grading.cgroup import MemoryLimit
+from grading.gradebook import Submission
+from grading.grader import KernelStopped, TestSession
+
+RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
 
 
 @dataclass
@@ -43,26 +48,6 @@ class Limits:
     wall_s: float = 900.0  # the whole notebook (one runs in about 2 minutes on 2 cores, alone)
     memory_mb: int = 4096  # the kernel and its ranks together
     output_mb: float = 5.0  # what all cells show together (text, images, errors)
-
-
-@dataclass
-class Job:
-    """One submission: submitted/<student>/<assignment>/<assignment>.ipynb of the course at `root`."""
-    assignment: str
-    student: str
-    root: str
-
-    @property
-    def folder(self) -> Path:
-        return Path(self.root) / "submitted" / self.student / self.assignment
-
-    def key(self) -> str:
-        """A hash of the master notebook and the submitted files: a result for another version is not reused."""
-        digest = hashlib.sha256()
-        master = Path(self.root) / "source" / self.assignment / f"{self.assignment}.ipynb"
-        for path in [master, *sorted(p for p in self.folder.rglob("*") if p.is_file())]:
-            digest.update(str(path.relative_to(self.root)).encode() + b"\0" + path.read_bytes() + b"\0")
-        return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -95,19 +80,24 @@ def limit_error(reason: str) -> NotebookNode:
 
 
 class LimitedExecute(Execute):
-    """nbgrader's Execute, with the kernel in a sandbox and the notebook under `Limits`."""
+    """nbgrader's Execute, with the kernel in a sandbox and the notebook under `Limits`; the course's test cells run
+    in this process (grading/grader.py), reaching the kernel only through `run_request`."""
 
     # Nothing in the sandbox needs a clean exit: killing it at once frees its slot seconds sooner.
     shutdown_kernel = Enum(["graceful", "immediate"], default_value="immediate")
 
     def __init__(self, *, box: Path, limits: Limits, use_sandbox: bool, memory: MemoryLimit | None,
-                 interrupt: threading.Event, **kwargs):
+                 interrupt: threading.Event, master: Path, **kwargs):
         super().__init__(**kwargs)
         self.box, self.limits, self.use_sandbox, self.memory = box, limits, use_sandbox, memory
         self.interrupt = interrupt  # set by the grader's Ctrl-C: stop now, and keep nothing of this run
         self.cell_timeout = self.timeout  # nbgrader's backstop per cell (nbgrader_config.py)
         self.stopped = ""  # why no further cell runs
         self.shown = 0  # bytes of output so far
+        self.tests = TestSession(master, self)
+        self.index = 0  # the cell being run
+        self.in_request = False
+        self._sandbox_pid: int | None = None
 
     def create_kernel_manager(self):
         self.km = sandbox.SandboxedKernelManager(
@@ -123,6 +113,7 @@ class LimitedExecute(Execute):
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type != "code" or not cell.source.strip():
             return cell, resources
+        self.index = index
         if self.interrupt.is_set():
             self.stop("grading was interrupted")
         if not self.stopped and time.monotonic() >= self.deadline:
@@ -130,6 +121,14 @@ class LimitedExecute(Execute):
         if self.stopped:
             cell.outputs = [limit_error(f"not run: {self.stopped}")]
             return cell, resources
+        kind = self.tests.kind(cell)
+        if kind == "test":
+            cell.outputs, cell.execution_count = self.tests.run_test(cell), None
+            if self.stopped:  # the kernel stopped during the test: the limit says more than the test could
+                cell.outputs = [o for o in cell.outputs if o.output_type != "error"] + [limit_error(self.stopped)]
+            return cell, resources
+        if kind == "helpers":
+            self.tests.define_helpers(cell, index)  # here for the checks; below, in the kernel, for the drivers
         left = self.deadline - time.monotonic()
         self.timeout = max(1, math.ceil(min(self.cell_timeout or left, left)))
         try:
@@ -145,7 +144,49 @@ class LimitedExecute(Execute):
             cell.outputs = [o for o in cell.outputs if o.output_type != "error"] + [limit_error(self.stopped)]
         return cell, resources
 
+    def run_request(self, code: str, timeout: float) -> list[NotebookNode]:
+        """Run `code` in the kernel outside the notebook (a test's request, `%cs336_call`), within `timeout` and
+        what is left of the wall-clock limit; its outputs. Raises KernelStopped when the kernel stops answering
+        (then no later cell runs)."""
+        if self.interrupt.is_set():
+            self.stop("grading was interrupted")
+        left = self.deadline - time.monotonic()
+        if not self.stopped and left <= 0:
+            self.stop(self.wall_clock_reason())
+        if self.stopped:
+            raise KernelStopped(self.stopped)
+        request, test_cell = nbformat.v4.new_code_cell(code), self.nb.cells[self.index]
+        self.timeout = max(1, math.ceil(min(timeout, left)))
+        self.in_request = True
+        try:
+            request = self.execute_cell(request, self.index, store_history=False)
+        except (DeadKernelError, CellTimeoutError) as e:
+            self.stop(self.wall_clock_reason() if time.monotonic() >= self.deadline else self.death_reason(e))
+        finally:
+            self.in_request = False
+            self.nb.cells[self.index] = test_cell  # nbclient puts the cell it ran in the notebook
+        if not self.stopped and time.monotonic() >= self.deadline:
+            self.stop(self.wall_clock_reason())
+        if self.stopped:
+            raise KernelStopped(self.stopped)
+        if any(o.get("ename") == "CellTimeoutError" for o in request.outputs):  # interrupted: the kernel goes on
+            return [nbformat.v4.new_output("error", ename="Timeout", evalue=f"no reply within {self.timeout} s",
+                                           traceback=[])]
+        return request.outputs
+
+    def loopback_bytes(self) -> int | None:
+        """Bytes sent so far on the sandbox's own loopback interface (its ranks' traffic), read from outside it;
+        None without a sandbox."""
+        if not self.use_sandbox or self.km is None:
+            return None
+        if self._sandbox_pid is None:
+            process = getattr(getattr(self.km, "provisioner", None), "process", None)
+            self._sandbox_pid = sandbox.inside(process.pid) if process is not None else None
+        return sandbox.loopback_bytes(self._sandbox_pid) if self._sandbox_pid else None
+
     def process_message(self, msg, cell, cell_index):
+        if self.in_request and RESULT_MIME in msg["content"].get("data", {}):  # a reply: plain data, not shown
+            return super().process_message(msg, cell, cell_index)
         if msg["msg_type"] in ("stream", "display_data", "execute_result", "error", "update_display_data"):
             self.shown += len(json.dumps(msg["content"]))
             if self.stopped:
@@ -178,7 +219,7 @@ class LimitedExecute(Execute):
                 pass
 
 
-def sanitized(job: Job, config: Config, db_url: str) -> tuple[NotebookNode, dict]:
+def sanitized(job: Submission, config: Config, db_url: str) -> tuple[NotebookNode, dict]:
     """The submitted notebook as nbgrader's autograde makes it before executing it: outputs cleared, the
     course's test and read-only cells restored from the gradebook (at `db_url`)."""
     nb = nbformat.read(job.folder / f"{job.assignment}.ipynb", as_version=4)
@@ -201,13 +242,13 @@ def interrupt_all() -> None:
             executor.stop("grading was interrupted")
 
 
-def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, use_sandbox: bool = True,
-            interrupt: threading.Event | None = None) -> tuple[NotebookNode, str]:
+def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, master: Path,
+            use_sandbox: bool = True, interrupt: threading.Event | None = None) -> tuple[NotebookNode, str]:
     """Execute `nb` with its kernel working in box/work, under `limits`: the executed notebook, and the limit
     that stopped it early ("" if none did). Raises RuntimeError if the kernel does not start."""
     memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
     executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
-                              interrupt=interrupt or threading.Event())
+                              interrupt=interrupt or threading.Event(), master=master)
     with _running_lock:
         _running.add(executor)
     try:
@@ -225,7 +266,7 @@ def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits
             memory.close()
 
 
-def run(job: Job, results: Path, config: Config, db_url: str, limits: Limits, use_sandbox: bool = True,
+def run(job: Submission, results: Path, config: Config, db_url: str, limits: Limits, use_sandbox: bool = True,
         interrupt: threading.Event | None = None) -> Run | None:
     """Execute one submission in a private folder and save the executed notebook under `results`. Returns
     None, and saves nothing, if `interrupt` is set before it finishes."""
@@ -235,12 +276,12 @@ def run(job: Job, results: Path, config: Config, db_url: str, limits: Limits, us
     started = time.monotonic()
     record = Run(job.assignment, job.student, job.key(), sandbox="bubblewrap" if use_sandbox else "none",
                  memory_limit=bool(limits.memory_mb) and cgroup.unavailable() is None)
-    box = Path(sandbox._short_tempdir())
+    box = Path(sandbox.private_folder())
     nb = None
     try:
         shutil.copytree(job.folder, box / "work")
         nb, resources = sanitized(job, config, db_url)
-        nb, record.limit = execute(nb, resources, box, config, limits, use_sandbox, interrupt)
+        nb, record.limit = execute(nb, resources, box, config, limits, job.master, use_sandbox, interrupt)
     except Exception as e:  # noqa: BLE001 - one submission's problem must not stop the class
         record.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
     finally:

@@ -10,7 +10,7 @@
 - every process in it ends with the kernel: the sandbox's PID 1 takes them all along when the kernel exits
   or is killed, and bwrap kills the sandbox if the grader dies (`--die-with-parent`).
 The kernel talks to the grader through ZeroMQ's ipc transport, over sockets in a folder of the sandbox.
-Where bwrap cannot run, `problem()` says why; grading then runs unsandboxed only if asked (course.py).
+Where bwrap cannot run, `unavailable()` says why; grading then runs unsandboxed only if asked (course.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -101,12 +102,12 @@ def kernel_env(workdir: Path) -> dict[str, str]:
 
 
 @cache
-def problem() -> str | None:
+def unavailable() -> str | None:
     """Why no sandbox can run here (None when bwrap works): checked by starting Python in one."""
     if bwrap() is None:
         return ("bubblewrap (bwrap) is not installed: `make sandbox` installs it (Debian/Ubuntu: apt-get install "
                 "bubblewrap)")
-    box = Path(_short_tempdir())
+    box = Path(private_folder())
     try:
         done = subprocess.run([*bwrap_args(box, kernel_env(make_box(box))), sys.executable, "-c", "import torch"],
                               capture_output=True, text=True, timeout=120)
@@ -119,9 +120,43 @@ def problem() -> str | None:
     return None
 
 
-def _short_tempdir() -> str:
+def inside(pid: int) -> int | None:
+    """A process of the sandbox that `pid` (bwrap) started: the first of its descendants in a network namespace
+    other than this process's (None if there is none, or no /proc)."""
+    try:
+        ours = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+    pending = [pid]
+    while pending:
+        current = pending.pop(0)
+        try:
+            if os.readlink(f"/proc/{current}/ns/net") != ours:
+                return current
+            for task in os.listdir(f"/proc/{current}/task"):
+                pending += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+        except OSError:
+            continue
+    return None
+
+
+def loopback_bytes(pid: int) -> int | None:
+    """Bytes sent on the loopback interface of `pid`'s network namespace (all its processes' local traffic), read
+    from outside it in /proc/<pid>/net/dev; None when it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip().startswith("lo"):
+                return int(counters.split()[8])  # receive: bytes, packets, errs, drop, fifo, frame, compressed,
+                #                                   multicast; then transmit: bytes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def private_folder() -> str:
     """A private folder with a short path: ZeroMQ's ipc socket paths must stay under 108 bytes."""
-    return __import__("tempfile").mkdtemp(prefix="cs336-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    return tempfile.mkdtemp(prefix="cs336-", dir="/tmp" if os.path.isdir("/tmp") else None)
 
 
 class SandboxedKernelManager(AsyncKernelManager):
