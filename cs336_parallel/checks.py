@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cluster import Cluster
 from .errors import RankError
+from .text import shorten
 from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
 
 # A deadlocked exercise fails its test after this long, not after the notebook's cell limit.
@@ -166,8 +167,7 @@ def describe_case(world_size: int, fn: Callable, args: tuple, kwargs: dict) -> s
         if isinstance(value, torch.Tensor):
             return f"tensor{tuple(value.shape)}"
         text = getattr(value, "__name__", None) if callable(value) else None
-        text = text or repr(value)
-        return text if len(text) <= 40 else text[:37] + "..."
+        return shorten(text or repr(value), 40)
 
     shown = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
     return f"world size {world_size}, {getattr(fn, '__name__', 'check')}({', '.join(shown)})"
@@ -183,8 +183,8 @@ def fresh_ranks(tested: object = None) -> None:
     global _tested
     if tested is None or tested != _tested:
         for cluster in _grading.values():
-            if cluster.used:
-                cluster.restart_soon()
+            if cluster.has_run:
+                cluster.replace_ranks()
     _tested = tested
 
 

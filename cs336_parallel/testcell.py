@@ -35,23 +35,30 @@ from torch import nn
 
 from . import checks, integrity
 from .errors import RankError, RankTimeout, format_frames
-from .worker import Failure, Frame
+from .protocol import Failure, Frame
+from .text import RedTraceback, shorten
 
 MAX_REASON = 400  # characters of the one-line reason
 
 
-class TestFailed(AssertionError):
-    """A test cell's verdict: `reason` is the one line a learner (and nbgrader's feedback) sees."""
+class TestFailed(RedTraceback, AssertionError):
+    """A test cell's verdict: `reason` is the one line a learner (and nbgrader's feedback) sees, `frames` the
+    learner's own frames shown under it."""
 
     __test__ = False  # not a pytest test class
+    shown_name = "TestFailed"
 
     def __init__(self, reason: str, frames: list[str] | None = None):
         self.reason, self.frames = reason, frames or []
         super().__init__(reason)
 
-    def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}TestFailed{reset}: {self.reason}", *self.frames]
+    @property
+    def headline(self) -> str:
+        return self.reason
+
+    @property
+    def details(self) -> list[str]:
+        return self.frames
 
 
 _helpers: dict[str, Any] = {}  # what `%%test_helpers` cells defined, out of the notebook's reach
@@ -147,8 +154,7 @@ def _frames(title: str, frames: list[Frame], is_cell) -> list[str]:
 
 
 def _one_line(text: str) -> str:
-    line = re.sub(r"\s*\n\s*", " / ", text.strip())
-    return line if len(line) <= MAX_REASON else line[: MAX_REASON - 3] + "..."
+    return shorten(re.sub(r"\s*\n\s*", " / ", text.strip()), MAX_REASON)
 
 
 def _listed(items: list[str]) -> str:

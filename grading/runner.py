@@ -34,6 +34,7 @@ from nbgrader.preprocessors.execute import UnresponsiveKernelError
 from traitlets import Enum
 from traitlets.config import Config
 
+from cs336_parallel.text import red_headline
 from grading import cgroup, sandbox
 from grading.cgroup import MemoryLimit
 
@@ -91,7 +92,7 @@ def load_run(results: Path, assignment: str, student: str) -> Run | None:
 
 def limit_error(reason: str) -> NotebookNode:
     return NotebookNode(output_type="error", ename="LimitExceeded", evalue=reason,
-                        traceback=[f"\x1b[31mLimitExceeded\x1b[0m: {reason}"])
+                        traceback=[red_headline("LimitExceeded", reason)])
 
 
 class LimitedExecute(Execute):

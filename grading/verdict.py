@@ -23,6 +23,8 @@ import re
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from cs336_parallel.text import red_headline
+
 # Names no answer needs: the kernel's machinery, the interpreter's hooks, the dispatcher's escape hatches,
 # and the grader's own modules. NAMES are flagged wherever they appear, ATTRIBUTES after a dot.
 NAMES = {"get_ipython", "__builtins__", "__import__"}
@@ -128,7 +130,7 @@ def _editable(cell: NotebookNode) -> bool:
 
 def _error(reason: str) -> NotebookNode:
     return NotebookNode(output_type="error", ename="TestFailed", evalue=reason,
-                        traceback=[f"\x1b[31mTestFailed\x1b[0m: {reason}"])
+                        traceback=[red_headline("TestFailed", reason)])
 
 
 class NoPartialCredit(NbGraderPreprocessor):
