@@ -7,7 +7,7 @@
 import importlib
 
 # Names are imported on first use, so `%load_ext` can start the rank server before torch is imported.
-_EXPORTS = {"Cluster": "cluster", "device": "cluster", "session_cluster": "cluster",
+_EXPORTS = {"Cluster": "cluster", "device": "devices", "session_cluster": "cluster",
             "RankError": "errors", "RankInterrupt": "errors", "RankTimeout": "errors"}
 
 __all__ = [*_EXPORTS, "load_ipython_extension"]

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .boundary import Boundary, RemoteError, unpack
 from .cluster import Cluster
+from .text import shorten
 from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
 
 # A deadlocked exercise fails its test after this long, not after the notebook's cell limit.
@@ -224,8 +225,7 @@ def _call_text(fn: Callable, args: tuple, kwargs: dict) -> str:
         if isinstance(value, torch.Tensor):
             return f"tensor{tuple(value.shape)}"
         text = getattr(value, "__name__", None) if callable(value) else None
-        text = text or repr(value)
-        return text if len(text) <= 40 else text[:37] + "..."
+        return shorten(text or repr(value), 40)
 
     shown = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
     return f"{getattr(fn, '__name__', 'check')}({', '.join(shown)})"
@@ -252,8 +252,8 @@ def fresh_ranks(tested: object = None) -> None:
     global _tested
     if tested is None or tested != _tested:
         for cluster in _test_clusters.values():
-            if cluster.used:
-                cluster.restart_soon()
+            if cluster.has_run:
+                cluster.replace_ranks()
     _tested = tested
 
 

@@ -1,9 +1,14 @@
 """Errors raised in the kernel on behalf of ranks, shown as the rank saw them.
 
-The rank sends its traceback as plain data (`worker.Failure`); the kernel fills in source lines
+The rank sends its traceback as plain data (`protocol.Failure`); the kernel fills in source lines
 from its own line cache (a function defined in a notebook cell is known only to the kernel) and
 names notebook cells the way IPython does (`Cell In[5]`). IPython shows `_render_traceback_()`
 instead of the kernel-side traceback, so the learner sees the rank's frames, not the launcher's.
+
+`call_error` turns what a call came to (`Outcome`: each rank's result or failure, the ranks that never
+replied, where they were) into the one exception the kernel raises. It is a pure function of that data:
+the cluster gathers it (and replaces its ranks when `Outcome.needs_new_ranks` says so), this decides
+what the learner reads.
 """
 
 from __future__ import annotations
@@ -11,8 +16,14 @@ from __future__ import annotations
 import linecache
 import os
 import re
+from dataclasses import dataclass, field
+from typing import Any
 
-from .worker import Failure, Frame
+from .protocol import Failure, Frame
+from .text import RedTraceback, ranks_phrase, shorten
+
+RESTARTED = "The cluster restarts before the next call (per-rank variables are reset)."
+OTHER_FAILURE_CHARS = 150  # each further failing rank gets one line of at most this many characters
 
 
 def _cell_name(filename: str) -> str:
@@ -142,7 +153,7 @@ def parse_stack_dump(text: str, thread_id: int, launcher_file: str) -> list[Fram
     return frames[launcher[-1] + 1:] if launcher else frames
 
 
-class RankError(RuntimeError):
+class RankError(RedTraceback, RuntimeError):
     """A rank raised an exception or died during a cluster call."""
 
     def __init__(self, rank: int, headline: str, details: list[str], failure: Failure | None = None):
@@ -151,10 +162,6 @@ class RankError(RuntimeError):
         self.details = details
         self.failure = failure  # what the rank raised, as data (None if it died or hung)
         super().__init__("\n".join([headline, *details]))
-
-    def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}{type(self).__name__}{reset}: {self.headline}", *self.details]
 
 
 class RankTimeout(RankError):
@@ -166,13 +173,97 @@ class RankTimeout(RankError):
         super().__init__(ranks[0], headline, details)
 
 
-class RankInterrupt(KeyboardInterrupt):
+class RankInterrupt(RedTraceback, KeyboardInterrupt):
     """The kernel was interrupted during a cluster call; shows where each rank was when it was stopped."""
+
+    shown_name = "KeyboardInterrupt"
 
     def __init__(self, headline: str, details: list[str]):
         self.headline, self.details = headline, details
         super().__init__("\n".join([headline, *details]))
 
-    def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}KeyboardInterrupt{reset}: {self.headline}", *self.details]
+
+@dataclass
+class Outcome:
+    """What one call came to: each rank's result or failure, and the ranks that never replied."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, Failure | str] = field(default_factory=dict)  # a str says how the rank died
+    stuck: list[int] = field(default_factory=list)  # ranks still running when the wait ended
+    interrupted: bool = False  # the kernel was interrupted while it waited
+    group_gone: list[int] = field(default_factory=list)  # ranks whose process group was destroyed
+
+    def add(self, rank: int, reply: tuple) -> None:
+        """Record rank `rank`'s reply, `(kind, value, group_intact)` (see `protocol`)."""
+        kind, value, group_intact = reply
+        if not group_intact:
+            self.group_gone.append(rank)
+        if kind == "ok":
+            self.results[rank] = value
+        else:
+            self.failures[rank] = value
+
+    @property
+    def died(self) -> dict[int, str]:
+        """The ranks whose process ended during the call, with how."""
+        return {rank: how for rank, how in self.failures.items() if isinstance(how, str)}
+
+    def needs_new_ranks(self) -> bool:
+        """Whether the ranks must be replaced before the next call. A rank that raised leaves its group
+        usable; one that was interrupted, hung, died, destroyed the process group, or replaced what tests
+        rely on (it stops) does not."""
+        tampered = any(getattr(f, "type_name", "") == "TamperingError" for f in self.failures.values())
+        return self.interrupted or bool(self.stuck or self.died or self.group_gone) or tampered
+
+
+def call_error(outcome: Outcome, timeout: float | None, stacks: dict[int, list[Frame]], stopped: list[int],
+               stderr: dict[int, list[str]]) -> RankError | RankInterrupt | None:
+    """The exception that `outcome` raises in the kernel; None if every rank returned a result.
+
+    `stacks` says where each stuck rank was and `stopped` which of them were stopped (paused by a signal);
+    `stderr` holds the last stderr lines of each rank that died (how a rank's own crash explains itself).
+    An interrupt comes first, then the root cause of a failure (a rank that died, else the first rank that
+    raised), then a timeout."""
+    if outcome.interrupted:
+        return RankInterrupt(f"stopped {ranks_phrase(outcome.stuck)} and restarted the cluster "
+                             "(per-rank variables are reset).",
+                             ["Where each rank was (most recent call last):", *format_stacks(stacks, stopped)])
+    if outcome.failures:
+        return _failure_error(outcome, stacks, stopped, stderr)
+    if outcome.stuck:
+        return _timeout_error(outcome.stuck, timeout, stacks, stopped)
+    return None
+
+
+def _timeout_error(ranks: list[int], timeout: float | None, stacks: dict[int, list[Frame]],
+                   stopped: list[int]) -> RankTimeout:
+    still = f" ({ranks_phrase(stopped)} {'is' if len(stopped) == 1 else 'are'} stopped)" if stopped else ""
+    details = ["Where each rank was waiting (most recent call last):", *format_stacks(stacks, stopped),
+               "A collective that some ranks never call (or call in another order) waits forever; "
+               "so does a loop that never ends.", RESTARTED]
+    return RankTimeout(ranks, f"{ranks_phrase(ranks)} did not finish within {timeout:g} s{still}.", details, stacks)
+
+
+def _failure_error(outcome: Outcome, stacks: dict[int, list[Frame]], stopped: list[int],
+                   stderr: dict[int, list[str]]) -> RankError:
+    rank = next(iter(outcome.died), next(iter(outcome.failures)))
+    failure = outcome.failures[rank]
+    if isinstance(failure, str):
+        tail = stderr.get(rank, [])
+        mismatch = collective_mismatch(tail)
+        headline = f"rank {rank} {mismatch or failure}."
+        details = ([f"It {failure}. The ranks called collectives that do not match: another operation, or "
+                    "the same one with another size or dtype."] if mismatch else []) + tail
+    else:
+        headline = f"rank {rank} raised {failure.headline}"
+        details = format_failure(failure, rank)
+    for other, f in outcome.failures.items():
+        if other != rank:
+            summary = f if isinstance(f, str) else f"raised {f.headline}"
+            details.append(shorten(f"(rank {other} also {summary}", OTHER_FAILURE_CHARS) + ")")
+    if stacks or stopped:
+        details += [f"Still running, now stopped: {ranks_phrase(outcome.stuck)}. Where each was waiting:",
+                    *format_stacks(stacks, stopped)]
+    if outcome.needs_new_ranks():
+        details.append(RESTARTED)
+    return RankError(rank, headline, details, None if isinstance(failure, str) else failure)

@@ -28,6 +28,8 @@ MODULES = (
     "torch.optim", "torch.distributed", "torch.distributed.distributed_c10d", "torch.serialization",
     "torch.utils._python_dispatch", "cloudpickle",
     "cs336_parallel", "cs336_parallel.checks", "cs336_parallel.cluster", "cs336_parallel.worker",
+    "cs336_parallel.protocol", "cs336_parallel.processes", "cs336_parallel.devices", "cs336_parallel.output",
+    "cs336_parallel.procfs", "cs336_parallel.text",
     "cs336_parallel.errors", "cs336_parallel.integrity", "cs336_parallel.testcell", "cs336_parallel.trace",
     "cs336_parallel.models", "cs336_parallel.memory", "cs336_parallel.schedules",
     "cs336_parallel.planning", "cs336_parallel.checkpoint",

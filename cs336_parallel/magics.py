@@ -20,7 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import testcell
 from .boundary import RESULT_MIME
-from .cluster import CLUSTER_TIMEOUT, Cluster, set_session_cluster
+from .cluster import Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
 
 
@@ -123,7 +123,7 @@ class ClusterMagics(Magics):
             pushed = names_to_push(source, self.shell.user_ns)
         except SyntaxError as e:
             raise UsageError(f"the cell is not valid Python: {e}") from None
-        timeout = CLUSTER_TIMEOUT if args.timeout is None else args.timeout
+        timeout = "cluster" if args.timeout is None else args.timeout  # "cluster": the cluster's own timeout
         cluster.run_cell(source, filename=f"Cell In[{self.shell.displayhook.prompt_count}]", pushed=pushed,
                          ranks=ranks, timeout=timeout)
 

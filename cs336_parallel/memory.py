@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from .cluster import device as rank_device
+from .devices import device as rank_device
 
 __all__ = ["MemoryTracker", "live_tensor_bytes", "tensor_bytes", "track", "zero_communication_bytes"]
 

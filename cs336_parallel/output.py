@@ -1,6 +1,7 @@
 """What the ranks print, shown in the calling cell while a call runs: live, grouped by rank, bounded.
 
-Each rank's stdout and stderr reach the kernel through pipes. Every FLUSH_S the lines that arrived are
+Each rank's stdout and stderr reach the kernel through pipes (`OutputPipes` reads them, never
+blocking, into the call's `CallOutput`). Every FLUSH_S the lines that arrived are
 printed in rank order (stdout, then stderr, of rank 0, then of rank 1...), each tagged with its rank: a
 short call reads rank by rank, a long one shows its progress as it goes. A line is what a terminal
 would show at its end, so a progress bar redrawn with carriage returns shows only its last state.
@@ -13,9 +14,11 @@ are shown at the end, after a line that says how much was cut.
 from __future__ import annotations
 
 import codecs
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
 
 FLUSH_S = 1.0
 MAX_LINES = 1000
@@ -23,6 +26,8 @@ MAX_CHARS = 200_000
 LINE_CHARS = 2000  # a longer line is cut, saying how many characters were left out
 TAIL_LINES = 20
 ERROR_LINES = 20  # stderr lines of a rank kept for its error report, shown or not
+READ_BYTES = 1 << 16
+DRAIN_BYTES = 1 << 22  # read at most this much of a stream after a call (a thread may still be printing)
 
 
 class Lines:
@@ -138,6 +143,48 @@ class CallOutput:
                 counts = self._cut_counts.setdefault(rank, [0, 0])
                 counts[0] += 1
                 counts[1] += len(line) + 1
+
+
+class OutputPipes:
+    """The kernel's ends of one rank's stdout and stderr pipes (non-blocking), read into a `CallOutput`."""
+
+    def __init__(self, rank: int, out: Connection, err: Connection):
+        self.rank = rank
+        self._ends = {"out": out, "err": err}
+        self._closed: set[str] = set()  # the streams at end of file
+
+    def open_streams(self) -> dict[int, str]:
+        """The streams not yet at end of file ("out", "err"), by file descriptor."""
+        return {end.fileno(): kind for kind, end in self._ends.items() if kind not in self._closed}
+
+    def read(self, kind: str, output: CallOutput, limit: int = READ_BYTES) -> int:
+        """Pass what the rank wrote on one stream to `output`; the number of bytes read."""
+        try:
+            data = os.read(self._ends[kind].fileno(), limit)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            data = b""
+        if not data:
+            self._closed.add(kind)
+        output.add(self.rank, kind, data)
+        return len(data)
+
+    def drain(self, output: CallOutput) -> None:
+        """Read what the rank has written so far (at most DRAIN_BYTES a stream)."""
+        for kind in list(self.open_streams().values()):
+            total = 0
+            while total < DRAIN_BYTES and kind not in self._closed and (n := self.read(kind, output)):
+                total += n
+
+    def close(self) -> None:
+        for end in self._ends.values():
+            end.close()
+
+
+def open_streams(pipes: Iterable[OutputPipes]) -> dict[int, tuple[OutputPipes, str]]:
+    """Every stream of `pipes` not yet at end of file, by file descriptor (what a wait watches)."""
+    return {fd: (p, kind) for p in pipes for fd, kind in p.open_streams().items()}
 
 
 def _size(chars: int) -> str:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from multiprocessing import forkserver
 
+from . import procfs
+
 DIR_PREFIX = "cs336-cluster-"
 OWNER = "owner.lock"  # a cluster folder is in use while a process holds the lock on this file
 PRELOAD = ["cs336_parallel.worker", "cs336_parallel.in_rank_server"]
@@ -71,7 +73,7 @@ def remove_abandoned_dirs() -> None:
 def clean_up_after_kernel(kernel_pid: int) -> None:
     """Run by the server as it exits: kill its children's process groups (each rank and what it started),
     and once the kernel is gone, remove its cluster folders and multiprocessing's folder for this server."""
-    for pid in _children(os.getpid()):
+    for pid in procfs.children(os.getpid()):
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
     deadline = time.monotonic() + 2.0
@@ -84,14 +86,3 @@ def clean_up_after_kernel(kernel_pid: int) -> None:
     if isinstance(address, str) and os.path.basename(os.path.dirname(address)).startswith("pymp-"):
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux; elsewhere none are found)."""
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-    return found

@@ -47,7 +47,6 @@ class Action(NamedTuple):
         return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-Schedule = list[list[Action]]
 _TOKEN = re.compile(r"^(BW|F|B|W)(\d+)(?:c(\d+))?$")
 
 
@@ -76,7 +75,7 @@ def num_chunks(schedule: Sequence[Sequence[Action]]) -> int:
 # -- dependencies -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Layout:
+class _Placement:
     """Where each virtual stage of a micro-batch's path lives (see the module docstring)."""
 
     p: int
@@ -102,42 +101,43 @@ class _Layout:
         return self.p - 1 - k if self.bidirectional and chunk == 1 else k % self.p
 
 
-def _layout(schedule: Sequence[Sequence[Action]], layout: str) -> _Layout:
+def _placement(schedule: Sequence[Sequence[Action]], layout: str) -> _Placement:
+    """Where `layout` ("interleaved" or "bidirectional") puts the virtual stages of `schedule`'s chunks."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     v = num_chunks(schedule)
     if layout == "bidirectional" and v > 2:
         raise ValueError(f"a bidirectional schedule has two chunks per stage, 0 (stage 0 to p-1) and 1 (stage p-1 "
                          f"to 0), got chunk {v - 1}")
-    return _Layout(len(schedule), v, layout == "bidirectional")
+    return _Placement(len(schedule), v, layout == "bidirectional")
 
 
-def _paired(actions: Sequence[Action], i: int, lay: _Layout) -> bool:
+def _paired(actions: Sequence[Action], i: int, place: _Placement) -> bool:
     """Bidirectional layout: a forward followed by a backward of the other chunk runs with it as one
     overlapped pair (DualPipe's "F&B"), which starts when both inputs are there."""
-    if not lay.bidirectional or i + 1 >= len(actions):
+    if not place.bidirectional or i + 1 >= len(actions):
         return False
     a, b = actions[i], actions[i + 1]
     return a.kind == "F" and b.kind in ("B", "BW") and b.chunk != a.chunk
 
 
-def _input_of(action: Action, stage: int, lay: _Layout) -> tuple | None:
+def _input_of(action: Action, stage: int, place: _Placement) -> tuple | None:
     """(message, producing stage) an action needs from an earlier virtual stage, or None."""
-    k = lay.virtual(stage, action.chunk)
+    k = place.virtual(stage, action.chunk)
     if action.kind == "F" and k > 0:
-        return ("activation", action.microbatch, k - 1), lay.stage_of(k - 1, action.chunk)
-    if action.kind in ("B", "BW") and k < lay.depth - 1:
-        return ("gradient", action.microbatch, k + 1), lay.stage_of(k + 1, action.chunk)
+        return ("activation", action.microbatch, k - 1), place.stage_of(k - 1, action.chunk)
+    if action.kind in ("B", "BW") and k < place.depth - 1:
+        return ("gradient", action.microbatch, k + 1), place.stage_of(k + 1, action.chunk)
     return None
 
 
-def _output_of(action: Action, stage: int, lay: _Layout) -> tuple | None:
+def _output_of(action: Action, stage: int, place: _Placement) -> tuple | None:
     """(message, consuming stage) an action produces for another virtual stage, or None."""
-    k = lay.virtual(stage, action.chunk)
-    if action.kind == "F" and k < lay.depth - 1:
-        return ("activation", action.microbatch, k), lay.stage_of(k + 1, action.chunk)
+    k = place.virtual(stage, action.chunk)
+    if action.kind == "F" and k < place.depth - 1:
+        return ("activation", action.microbatch, k), place.stage_of(k + 1, action.chunk)
     if action.kind in ("B", "BW") and k > 0:
-        return ("gradient", action.microbatch, k), lay.stage_of(k - 1, action.chunk)
+        return ("gradient", action.microbatch, k), place.stage_of(k - 1, action.chunk)
     return None
 
 
@@ -180,10 +180,10 @@ def _check_actions(schedule: Sequence[Sequence[Action]], m: int) -> list[dict]:
     return seen_per_stage
 
 
-def _check_complete(seen_per_stage: list[dict], m: int, lay: _Layout) -> None:
+def _check_complete(seen_per_stage: list[dict], m: int, place: _Placement) -> None:
     """Each micro-batch's F, and B and W (or BW), on every stage and chunk (bidirectional: on its one chunk)."""
-    chunks = {mb: range(lay.v) for mb in range(m)}
-    if lay.bidirectional:
+    chunks = {mb: range(place.v) for mb in range(m)}
+    if place.bidirectional:
         used: dict[int, set] = {}
         for seen in seen_per_stage:
             for mb, c in seen:
@@ -207,16 +207,16 @@ def _check_complete(seen_per_stage: list[dict], m: int, lay: _Layout) -> None:
                                      f"needs F, then BW (or B and W), once per stage and chunk")
 
 
-def _check_message_order(schedule: Sequence[Sequence[Action]], lay: _Layout) -> None:
+def _check_message_order(schedule: Sequence[Sequence[Action]], place: _Placement) -> None:
     """Between each pair of stages, messages are received in the order they are sent."""
     sent: dict[tuple[int, int], list] = {}
     received: dict[tuple[int, int], list] = {}
     for s, actions in enumerate(schedule):
         for i, a in enumerate(actions):
-            out = _output_of(a, s, lay)
+            out = _output_of(a, s, place)
             if out and out[1] != s:
                 sent.setdefault((s, out[1]), []).append(out[0])
-            inp = _input_of(a, s, lay)
+            inp = _input_of(a, s, place)
             if inp and inp[1] != s:
                 received.setdefault((inp[1], s), []).append((inp[0], i, a))
     for (src, dst), wanted in sorted(received.items()):
@@ -228,9 +228,9 @@ def _check_message_order(schedule: Sequence[Sequence[Action]], lay: _Layout) -> 
                     f"{_describe(first)} first: messages between two stages arrive in the order they were sent")
 
 
-def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking_sends: bool) -> None:
+def _check_progress(schedule: Sequence[Sequence[Action]], place: _Placement, blocking_sends: bool) -> None:
     """Run the schedule with waiting receives (and, if asked, sends that wait for their receiver)."""
-    p = lay.p
+    p = place.p
     pc = [0] * p
     done: set[tuple] = set()  # (kind, microbatch, virtual stage) of finished actions
     arrived: set[tuple] = set()  # messages handed to their receiver
@@ -239,7 +239,7 @@ def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking
     def missing(s: int, i: int) -> tuple | None:
         """The input stage s's action i is still waiting for (None: it has it)."""
         a = schedule[s][i]
-        inp = _input_of(a, s, lay)
+        inp = _input_of(a, s, place)
         if inp is None:
             return None
         message, src = inp
@@ -251,7 +251,7 @@ def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking
     def waiting_for(s: int) -> tuple | None:
         """What stage s needs before running its next action (None: it can run); a pair needs both inputs."""
         wait = missing(s, pc[s])
-        if wait is None and _paired(schedule[s], pc[s], lay):
+        if wait is None and _paired(schedule[s], pc[s], place):
             wait = missing(s, pc[s] + 1)
         return wait
 
@@ -263,7 +263,7 @@ def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking
                 if sending[s] is not None:
                     message, dst = sending[s]
                     if pc[dst] < len(schedule[dst]) and sending[dst] is None and \
-                            _input_of(schedule[dst][pc[dst]], dst, lay) == (message, s):
+                            _input_of(schedule[dst][pc[dst]], dst, place) == (message, s):
                         arrived.add(message)
                         sending[s] = None
                         progressed = True
@@ -272,8 +272,8 @@ def _check_progress(schedule: Sequence[Sequence[Action]], lay: _Layout, blocking
                 if pc[s] == len(schedule[s]) or waiting_for(s) is not None:
                     break
                 a = schedule[s][pc[s]]
-                done.add((a.kind, a.microbatch, lay.virtual(s, a.chunk)))
-                out = _output_of(a, s, lay)
+                done.add((a.kind, a.microbatch, place.virtual(s, a.chunk)))
+                out = _output_of(a, s, place)
                 if out and out[1] != s:
                     if blocking_sends:
                         sending[s] = out
@@ -317,11 +317,11 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_microbatches: int, 
     if not _is_list(schedule) or not schedule or not all(_is_list(actions) for actions in schedule):
         raise ValueError("schedule must be a non-empty list with one list of actions per stage")
     seen = _check_actions(schedule, num_microbatches)
-    lay = _layout(schedule, layout)
-    _check_complete(seen, num_microbatches, lay)
-    if not lay.bidirectional:
-        _check_message_order(schedule, lay)
-    _check_progress(schedule, lay, blocking_sends)
+    place = _placement(schedule, layout)
+    _check_complete(seen, num_microbatches, place)
+    if not place.bidirectional:
+        _check_message_order(schedule, place)
+    _check_progress(schedule, place, blocking_sends)
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def peak_in_flight(schedule: Sequence[Sequence[Action]], *, layout: str = "inter
     """Per stage, the most micro-batches whose activations are alive at once, in units of one
     micro-batch through a whole stage (an interleaved chunk counts 1/v). Alive from the F until the
     backward that frees them: BW, or W when the backward is split (W still needs the stored inputs)."""
-    lay = _layout(schedule, layout)
+    place = _placement(schedule, layout)
     peaks = []
     for actions in schedule:
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
@@ -367,15 +367,15 @@ def peak_in_flight(schedule: Sequence[Sequence[Action]], *, layout: str = "inter
                 peak = max(peak, alive)
             elif a.kind == "BW" or a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split):
                 alive -= 1
-        peaks.append(lay.per_chunk(peak))
+        peaks.append(place.per_chunk(peak))
     return peaks
 
 
 def parameters_per_stage(schedule: Sequence[Sequence[Action]], *, layout: str = "interleaved") -> list:
     """Per stage, the model's parameters it holds, in stages' worth (1/p of the model): 1 for one chunk or
     v interleaved chunks of 1/v each; 2 for a bidirectional schedule, whose stages hold two whole stages."""
-    lay = _layout(schedule, layout)
-    return [lay.per_chunk(len({a.chunk for a in actions})) for actions in schedule]
+    place = _placement(schedule, layout)
+    return [place.per_chunk(len({a.chunk for a in actions})) for actions in schedule]
 
 
 def _per_stage(value, p: int, name: str) -> list:
@@ -394,8 +394,8 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     inputs are there). A message between stages takes t_comm. Exact with ints or Fractions as costs."""
     m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
     check_schedule(schedule, m, layout=layout)
-    lay = _layout(schedule, layout)
-    p = lay.p
+    place = _placement(schedule, layout)
+    p = place.p
     costs = {name: _per_stage(value, p, name) for name, value in
              (("t_f", t_f), ("t_b", t_b), ("t_w", t_w))}
     if t_comm < 0:
@@ -404,7 +404,7 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
     def duration(a: Action, s: int):
         f, b, w = costs["t_f"][s], costs["t_b"][s], costs["t_w"][s]
         total = {"F": f, "B": b, "W": w, "BW": b + w}[a.kind]
-        return lay.per_chunk(total)
+        return place.per_chunk(total)
 
     end: dict[tuple, float] = {}  # (kind, microbatch, virtual stage) -> finish time
     arrival: dict[tuple, float] = {}  # message -> when it is at the receiver
@@ -415,7 +415,7 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
 
     def input_time(a: Action, s: int):
         """When stage s has the input of action `a` (0 if it needs none), or None if not yet known."""
-        inp = _input_of(a, s, lay)
+        inp = _input_of(a, s, place)
         if inp is None:
             return 0
         message, src = inp
@@ -431,15 +431,15 @@ def simulate(schedule: Sequence[Sequence[Action]], t_f=1, t_b=1, t_w=1, t_comm=0
         for s in range(p):
             while pc[s] < len(schedule[s]):
                 a = schedule[s][pc[s]]
-                pair = [a, schedule[s][pc[s] + 1]] if _paired(schedule[s], pc[s], lay) else [a]
+                pair = [a, schedule[s][pc[s] + 1]] if _paired(schedule[s], pc[s], place) else [a]
                 inputs = [input_time(b, s) for b in pair]
                 if None in inputs:
                     break
                 ready = max(free[s], *inputs)
                 finish = ready + duration(a, s)
                 busy[s].append(Interval(ready, finish, a))
-                end[(a.kind, a.microbatch, lay.virtual(s, a.chunk))] = finish
-                out = _output_of(a, s, lay)
+                end[(a.kind, a.microbatch, place.virtual(s, a.chunk))] = finish
+                out = _output_of(a, s, place)
                 if out and out[1] != s:
                     arrival[out[0]] = finish + t_comm
                     messages += 1

@@ -36,22 +36,29 @@ from torch import nn
 
 from . import checks
 from .boundary import Boundary, Exercise, InProcess, KernelSide, RemoteError
+from .text import RedTraceback, shorten
 
 MAX_REASON = 400  # characters of the one-line reason
 
 
-class TestFailed(AssertionError):
-    """A test cell's verdict: `reason` is the one line a learner (and nbgrader's feedback) sees."""
+class TestFailed(RedTraceback, AssertionError):
+    """A test cell's verdict: `reason` is the one line a learner (and nbgrader's feedback) sees, `frames` the
+    learner's own frames shown under it."""
 
     __test__ = False  # not a pytest test class
+    shown_name = "TestFailed"
 
     def __init__(self, reason: str, frames: list[str] | None = None):
         self.reason, self.frames = reason, frames or []
         super().__init__(reason)
 
-    def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}TestFailed{reset}: {self.reason}", *self.frames]
+    @property
+    def headline(self) -> str:
+        return self.reason
+
+    @property
+    def details(self) -> list[str]:
+        return self.frames
 
 
 def base_namespace(builtin_names: dict | None = None) -> dict:
@@ -109,8 +116,7 @@ def explain(exc: BaseException, names: Sequence[str]) -> tuple[str, list[str]]:
 
 
 def _one_line(text: str) -> str:
-    line = re.sub(r"\s*\n\s*", " / ", text.strip())
-    return line if len(line) <= MAX_REASON else line[: MAX_REASON - 3] + "..."
+    return shorten(re.sub(r"\s*\n\s*", " / ", text.strip()), MAX_REASON)
 
 
 def _listed(items: Sequence[str]) -> str:

@@ -11,16 +11,20 @@ import re
 import sys
 from importlib import metadata
 
+from .text import RedTraceback
+
 TORCH_NEEDED = (2, 13)  # pyproject.toml asks for torch>=2.13 (a test checks they agree)
 
 
-class SetupError(RuntimeError):
+class SetupError(RedTraceback, RuntimeError):
     """The environment cannot run the course; the message says what to install. IPython shows it in one
     line, without a traceback: the learner's code is not at fault."""
 
-    def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}{type(self).__name__}{reset}: {self}"]
+    details: list[str] = []
+
+    @property
+    def headline(self) -> str:
+        return str(self)
 
 
 def torch_version() -> str | None:

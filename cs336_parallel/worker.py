@@ -1,8 +1,9 @@
 """The rank side of a `Cluster`: one process per rank, started by the kernel through a forkserver.
 
 A worker joins the process group, then serves requests from the kernel over a pipe until told to
-stop: run a shipped function, or execute a `%%ranks` cell in its persistent namespace. Every request
-carries an id that its reply echoes, so the kernel never takes one call's reply for another's. Its
+stop: run a shipped function, or execute a `%%ranks` cell in its persistent namespace (the messages
+are `protocol`'s). Every request carries an id that its reply echoes, so the kernel never takes one
+call's reply for another's. Its
 stdout and stderr are pipes the kernel reads while the call runs; SIGUSR1 dumps its Python stack for
 the kernel's timeout report. It leads a process group of its own, so what it starts dies with it; it
 dies with its parent (parent-death signal) and when the kernel's end of the pipe closes.
@@ -16,74 +17,29 @@ from __future__ import annotations
 import ast
 import ctypes
 import faulthandler
-import importlib
 import io
 import linecache
 import multiprocessing.forkserver
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
-import traceback
-import types
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
-import cloudpickle
 import torch
 import torch._dynamo  # noqa: F401 - imported here, once per server, not by every rank's first optimizer (1 s)
 import torch.distributed as dist
 
-from . import integrity
-
-HEADER = struct.Struct("<Q")  # every message starts with the id of the request it belongs to (0: none)
+from . import integrity, protocol
+from .protocol import Failure
 
 # Warnings that say nothing to a learner about their own code.
 _HARMLESS_WARNINGS = [
     r".*Unable to resolve hostname.*",
     r".*No device id is provided via `init_process_group` or `barrier`.*",
 ]
-
-
-@dataclass
-class Frame:
-    filename: str
-    lineno: int
-    name: str
-    line: str = ""
-
-
-@dataclass
-class Failure:
-    """An exception on a rank, reduced to plain data so the kernel can show it."""
-
-    type_name: str
-    message: str  # the `Type: message` lines, as `traceback` formats them
-    frames: list[Frame]
-    cause: Failure | None = None  # the exception this one was raised from, if any
-    cause_text: str = ""
-
-    @property
-    def headline(self) -> str:
-        """`Type: first line of the message` (a SyntaxError's location lines come before it)."""
-        lines = self.message.splitlines() or [self.type_name]
-        return next((line for line in lines if line.split(":")[0].endswith(self.type_name)), lines[-1])
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> Failure:
-        frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "")
-                  for f in traceback.extract_tb(exc.__traceback__)
-                  if f.filename != __file__]
-        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        inner, text = exc.__cause__, "The above exception was the direct cause of the following exception:"
-        if inner is None and exc.__context__ is not None and not exc.__suppress_context__:
-            inner, text = exc.__context__, "During handling of the above exception, another exception occurred:"
-        cause = cls.from_exception(inner) if inner is not None else None
-        return cls(type(exc).__name__, message, frames, cause, text if cause else "")
 
 
 def _die_with_parent() -> None:
@@ -125,43 +81,9 @@ def loopback_interface() -> str:
     return next((n for n in names if n.startswith("lo")), names[0] if names else "lo")
 
 
-_KEPT = "<cs336: filename kept>"  # marks a code object whose own file name travels beside it
-
-
-def _named_code(code: types.CodeType, filename: str) -> types.CodeType:
-    """`code` with its file name back (see `_Pickler`)."""
-    return code.replace(co_filename=filename)
-
-
-class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, plus:
-    - code objects keep their file name: tracebacks and stack dumps on a rank name the notebook cell (`Cell In[5]`)
-      whose lines the kernel shows. cloudpickle may set it to anything (3.1.3 writes "<dynamic-code>"), so the
-      name travels beside the code and is put back on arrival;
-    - tensors travel on the CPU and without autograd history (the kernel never touches CUDA; a non-leaf tensor
-      cannot be pickled);
-    - module-like objects such as `torch.ops` travel by name (cloudpickle cannot copy them)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.CodeType) and obj.co_filename != _KEPT:
-            return _named_code, (obj.replace(co_filename=_KEPT), obj.co_filename)
-        if isinstance(obj, torch.Tensor) and (obj.is_cuda or obj.grad_fn is not None):
-            return obj.detach().cpu().__reduce_ex__(self.proto)
-        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
-            return importlib.import_module, (obj.__name__,)
-        return super().reducer_override(obj)
-
-
-def dumps(obj: Any, header: bytes = b"") -> bytes:
-    """`obj` pickled for the other side, after `header` (a message's request id)."""
-    buffer = io.BytesIO()
-    buffer.write(header)
-    _Pickler(buffer).dump(obj)
-    return buffer.getvalue()
-
-
-def send(conn, request_id: int, message: tuple) -> None:
-    conn.send_bytes(dumps(message, HEADER.pack(request_id)))
+def _failure(exc: BaseException) -> Failure:
+    """`exc` as data for the kernel, without this module's frames (the launcher says nothing to the learner)."""
+    return Failure.from_exception(exc, hide=(__file__,))
 
 
 def run_cell(namespace: dict, source: str, filename: str) -> None:
@@ -204,13 +126,13 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
                                 timeout=timedelta(seconds=pg_timeout_s))
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which raises it
-        send(conn, 0, ("failed", Failure.from_exception(exc)))
+        protocol.send(conn, 0, ("failed", _failure(exc)))
         return
     if check_integrity:
         integrity.snapshot()
     world = dist.group.WORLD
     pid = os.getpid()
-    send(conn, 0, ("ready", {"pid": pid, "backend": backend, "device": str(device),
+    protocol.send(conn, 0, ("ready", {"pid": pid, "backend": backend, "device": str(device),
                              "main_thread": threading.get_ident()}))
 
     namespace = {"torch": torch, "dist": dist, "rank": rank, "world_size": world_size,
@@ -220,9 +142,9 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
             message = conn.recv_bytes()
         except (EOFError, OSError):  # the kernel went away
             break
-        (request_id,) = HEADER.unpack_from(message)
+        request_id = protocol.request_id(message)
         try:
-            request, message = cloudpickle.loads(memoryview(message)[HEADER.size:]), None
+            request, message = protocol.loads(message), None
             if request[0] == "close":
                 break
             if request[0] == "call":
@@ -233,23 +155,22 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
                 namespace.update(pushed)
                 reply = ("ok", run_cell(namespace, source, filename))
         except BaseException as exc:  # noqa: BLE001
-            reply = ("error", Failure.from_exception(exc))
+            reply = ("error", _failure(exc))
         if os.getpid() != pid:  # a process the code forked came back here: only the rank itself replies
             os._exit(0)
         tampered = integrity.changes() if check_integrity else []
         if tampered:
-            reply = ("error", Failure.from_exception(integrity.TamperingError(
+            reply = ("error", _failure(integrity.TamperingError(
                 f"the code that ran on rank {rank} replaced {', '.join(tampered[:3])}"
                 f"{' and more' if len(tampered) > 3 else ''}, which tests rely on; this rank stops.")))
         group_intact = dist.is_initialized() and dist.group.WORLD is world
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            payload = dumps((*reply, group_intact), HEADER.pack(request_id))
+            payload = protocol.encode(request_id, (*reply, group_intact))
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            payload = dumps(("error", Failure.from_exception(
-                TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}")), group_intact),
-                HEADER.pack(request_id))
+            payload = protocol.encode(request_id, ("error", _failure(
+                TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}")), group_intact))
         request = reply = None  # free what the call used before waiting for the next
         conn.send_bytes(payload)
         if tampered:

@@ -26,6 +26,7 @@ from nbformat.notebooknode import NotebookNode
 from cs336_parallel import testcell
 from cs336_parallel.boundary import RESULT_MIME, Boundary, RemoteError, decode, encode, to_wire, unpack
 from cs336_parallel.checks import TEST_TIMEOUT_S
+from cs336_parallel.text import red_headline
 
 if TYPE_CHECKING:
     from grading.runner import LimitedExecute
@@ -102,7 +103,7 @@ class TestSession:
 
 def test_failed(reason: str, frames: list[str] = ()) -> NotebookNode:
     return nbformat.v4.new_output("error", ename="TestFailed", evalue=reason,
-                                  traceback=[f"\x1b[31mTestFailed\x1b[0m: {reason}", *frames])
+                                  traceback=[red_headline("TestFailed", reason), *frames])
 
 
 class KernelStopped(RemoteError):

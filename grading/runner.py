@@ -35,6 +35,7 @@ from traitlets import Enum
 from traitlets.config import Config
 
 from cs336_parallel.boundary import RESULT_MIME
+from cs336_parallel.text import red_headline
 from grading import cgroup, sandbox
 from grading.cgroup import MemoryLimit
 from grading.gradebook import Submission
@@ -76,7 +77,7 @@ def load_run(results: Path, assignment: str, student: str) -> Run | None:
 
 def limit_error(reason: str) -> NotebookNode:
     return NotebookNode(output_type="error", ename="LimitExceeded", evalue=reason,
-                        traceback=[f"\x1b[31mLimitExceeded\x1b[0m: {reason}"])
+                        traceback=[red_headline("LimitExceeded", reason)])
 
 
 class LimitedExecute(Execute):

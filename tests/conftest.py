@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cs336_parallel import procfs
+
 ROOT = Path(__file__).resolve().parent.parent
 # Grading isolates each submission where bubblewrap runs (`make sandbox` installs it); where it cannot, the
 # suite grades without isolation rather than fail, and the isolation tests are skipped (tests/test_isolation.py).
@@ -20,17 +22,13 @@ os.environ.setdefault("CS336_GRADING_SANDBOX", "auto")
 
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
+    if os.path.isdir("/proc"):
+        return procfs.state(pid) not in (None, "Z")
+    try:  # no /proc (macOS)
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
         return False
-    except OSError:  # no /proc (macOS)
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:

@@ -218,7 +218,7 @@ def test_the_next_start_removes_the_folders_of_a_kernel_killed_with_its_rank_ser
             from multiprocessing import forkserver
             from cs336_parallel import Cluster
             c = Cluster(2).start()
-            print(c._dir, flush=True)
+            print(c._processes.dir, flush=True)
             os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # no one left to clean up
             os.kill(os.getpid(), signal.SIGKILL)
         """, env={**os.environ, "TMPDIR": tmpdir})

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import pid_alive, wait_gone
-from cs336_parallel import Cluster, RankError, RankTimeout
+from cs336_parallel import Cluster, RankError, RankTimeout, procfs
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +115,12 @@ def test_a_second_interrupt_during_the_cleanup_leaves_the_cluster_in_step(python
         from cs336_parallel import Cluster
         c = Cluster(2, timeout=None)
         old = c.run(os.getpid)
-        dump_stacks = c._dump_stacks
+        dump_stacks = c._processes.dump_stacks
         def interrupted_again(ranks):
             os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C, while the first one is being handled
             time.sleep(1)
             return dump_stacks(ranks)
-        c._dump_stacks = interrupted_again
+        c._processes.dump_stacks = interrupted_again
         kernel = os.getpid()
         def interrupt_me():
             if dist.get_rank() == 0:
@@ -131,7 +131,7 @@ def test_a_second_interrupt_during_the_cleanup_leaves_the_cluster_in_step(python
             c.run(interrupt_me)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
-        c._dump_stacks = dump_stacks
+        c._processes.dump_stacks = dump_stacks
         print("old", *old, flush=True)
         for i in range(3):
             print("next", c.run(lambda i=i: (i, dist.get_rank())), flush=True)
@@ -187,7 +187,7 @@ def test_a_stopped_rank_is_called_stopped():
 
         pid = c.status()[0]["pid"]
         os.kill(pid, signal.SIGSTOP)  # stopped between calls
-        while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "T":
+        while procfs.state(pid) != "T":
             time.sleep(0.01)
         with pytest.raises(RankError, match=r"rank 0 is stopped \(paused by a signal such as SIGSTOP\)"):
             c.run(lambda: dist.get_rank())
@@ -209,7 +209,7 @@ def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
     script = python_script("""
         import os, resource, torch.distributed as dist
         from multiprocessing import forkserver
-        from cs336_parallel import Cluster, rank_server
+        from cs336_parallel import Cluster, procfs, rank_server
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         try:
             Cluster(32)
@@ -229,8 +229,7 @@ def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
             c.start()
         except OSError as e:
             print("failed:", type(e).__name__, flush=True)
-        print("left:", c.status(), c.running, rank_server._children(forkserver._forkserver._forkserver_pid),
-              flush=True)
+        print("left:", c.status(), procfs.children(forkserver._forkserver._forkserver_pid), flush=True)
         for fd in hogs[:-14]:
             os.close(fd)
         print("then:", c.run(lambda: dist.get_rank()), flush=True)
@@ -239,7 +238,7 @@ def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
     assert script.returncode == 0, err
     assert "refused: world_size=32 is more than this machine can hold" in out and "file descriptors" in out
     assert "failed: OSError" in out
-    assert "left: [] False []" in out
+    assert "left: [] []" in out
     assert "then: [0, 1, 2, 3]" in out
 
 
@@ -285,8 +284,7 @@ SOAK = """
 import json, os, random, signal, sys, time
 import torch, torch.distributed as dist
 from multiprocessing import forkserver
-from cs336_parallel import Cluster, RankError, RankTimeout
-from cs336_parallel.rank_server import _children
+from cs336_parallel import Cluster, RankError, RankTimeout, procfs
 
 KERNEL, N = os.getpid(), 1000
 
@@ -316,11 +314,7 @@ def interrupt(i):
     time.sleep(60)
 
 def dead(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] in "ZX"  # a zombie: its parent has yet to reap it
-    except OSError:
-        return True
+    return procfs.state(pid) in (None, "Z", "X")  # a zombie: its parent has yet to reap it
 
 def usage():
     with open("/proc/self/statm") as f:
@@ -367,7 +361,7 @@ for i, kind in enumerate(plan):
             wrong.append((i, kind, message))
 server = forkserver._forkserver._forkserver_pid
 c.shutdown()
-print(json.dumps({"wrong": wrong, "usages": usages, "pids": sorted(pids), "left": _children(server)}))
+print(json.dumps({"wrong": wrong, "usages": usages, "pids": sorted(pids), "left": procfs.children(server)}))
 """
 
 

@@ -16,6 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
 from conftest import pid_alive, wait_gone
+from cs336_parallel import procfs
 
 KERNEL = "python3"  # the kernel of this interpreter's environment
 
@@ -201,15 +202,10 @@ def test_ranks_output_streams_into_the_cell_while_it_runs(kernel, tmp_path):
 def children(pid: int) -> dict[int, str]:
     """The processes whose parent is `pid`, with their command lines."""
     found = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent == pid:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    found[int(entry)] = f.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
+    for child in procfs.children(pid):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found[child] = f.read().replace(b"\0", b" ").decode()
     return found
 
 

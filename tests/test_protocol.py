@@ -6,7 +6,7 @@ import traceback
 
 import cloudpickle
 
-from cs336_parallel import worker
+from cs336_parallel import protocol
 
 CELL = "/tmp/ipykernel_1234/2741263458.py"  # the file name IPython gives a notebook cell's code
 SOURCE = '''
@@ -22,7 +22,7 @@ def test_a_shipped_function_keeps_the_file_name_of_its_cell_and_of_the_code_insi
     gets the cell's file name, so a traceback there points at the learner's cell and line."""
     namespace: dict = {"__name__": "__main__"}
     exec(compile(SOURCE, CELL, "exec"), namespace)
-    shipped = cloudpickle.loads(worker.dumps(namespace["outer"]))
+    shipped = cloudpickle.loads(protocol.dumps(namespace["outer"]))
     assert shipped(2.0) == [0.5]
     try:
         shipped(0.0)

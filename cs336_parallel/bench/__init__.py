@@ -1,6 +1,6 @@
 """Timing done right: warm-up, synchronization, many iterations, the median; and collective bandwidth
 in the nccl-tests conventions (algbw = S / t; busbw = algbw x a factor that makes it comparable with
-the link's bandwidth, see REFERENCES.md).
+the link's bandwidth, as nccl-tests' doc/PERFORMANCE.md defines it: `BUSBW_FACTOR`).
 
 `python -m cs336_parallel.bench TOPIC` runs a topic's side-by-side benchmark (`--help` lists them).
 """

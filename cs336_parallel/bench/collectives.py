@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_parallel import bench, session_cluster
-from cs336_parallel.cluster import device
+from cs336_parallel.devices import device
 from cs336_parallel.notebook import load_definitions
 
 MASTER = Path(__file__).resolve().parents[2] / "grading/source/01_collectives/01_collectives.ipynb"

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from cs336_parallel import bench, session_cluster
-from cs336_parallel.cluster import device
+from cs336_parallel.devices import device
 from cs336_parallel.models import MLPStack
 from cs336_parallel.notebook import load_definitions
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_parallel import bench, models, session_cluster
-from cs336_parallel.cluster import device
+from cs336_parallel.devices import device
 from cs336_parallel.memory import track
 from cs336_parallel.notebook import load_definitions
 

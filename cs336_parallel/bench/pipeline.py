@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cs336_parallel import session_cluster
-from cs336_parallel.cluster import device
+from cs336_parallel.devices import device
 from cs336_parallel.models import MLPStack
 from cs336_parallel.notebook import load_definitions
 from cs336_parallel.schedules import Action, Interval, Timeline, simulate, timeline_from_intervals

@@ -5,8 +5,6 @@ matplotlib is imported here only, never by the package's core.
 
 from .checkpoint import mtbf_vs_gpus, reshard_map, resume_curves, save_protocol, young_daly  # noqa: F401
 from .collectives import (  # noqa: F401
-    COLLECTIVES,
-    RANK_COLORS,
     bandwidth_plot,
     binomial_tree,
     collectives_gallery,
