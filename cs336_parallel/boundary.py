@@ -6,7 +6,8 @@ exercise is a request across a `Boundary`:
 - `begin(names)`: what each exercise is (a function, a class, a value and which), on fresh test ranks;
 - `call(fn, args, kwargs)`: call it (or a driver that calls it) in the kernel;
 - `call_each(fn, cases)`: many calls in one request;
-- `run(world_size, fn, args, kwargs, timeout)`: a driver on every rank of a test cluster (`checks.run`).
+- `run(world_size, fn, args, kwargs, timeout)`: a driver on every rank of a test cluster (`checks.run`); the
+  grader first asks for the ranks to be `ready`, so that what it measures of a run is the run's alone.
 
 What comes back is plain data only: None, booleans, numbers, strings, bytes, tensors, dtypes, and lists, tuples
 and dicts of them (plus fractions and the package's dataclasses, rebuilt by the receiver from their fields). It
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from .errors import RankError, RankTimeout, format_frames
-from .worker import Failure, Frame
+from .protocol import Failure, Frame
 
 RESULT_MIME = "application/vnd.cs336.result+base64"  # how the kernel's reply reaches the grader
 MAX_RESULT_BYTES = 256 * 2**20  # a reply larger than this is refused, not decoded
@@ -334,6 +335,9 @@ class KernelSide:
             if kind == "call_each":
                 return {"ok": [self.handle({"kind": "call", "fn": request["fn"], "args": tuple(args), "kwargs": {}})
                                for args in request["cases"]]}
+            if kind == "ready":  # the ranks join their group now, not during the next request
+                checks.test_ranks(request["world_size"])
+                return {"ok": None}
             if kind == "run":
                 results = checks.run_on_test_ranks(request["world_size"], request["fn"], request["args"],
                                                    request["kwargs"], request["timeout"])

@@ -195,6 +195,16 @@ def run(world_size: int, fn: Callable, *args, timeout: float = TEST_TIMEOUT_S, *
         raise
 
 
+def call(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` in the notebook's kernel (no ranks): a driver of a `%%test_helpers` cell, with the
+    exercise among its arguments; its plain result. (A test calls a function exercise directly: `name(...)`.)"""
+    try:
+        return _boundary().call(fn, args, kwargs)
+    except RemoteError as e:
+        e.case = _call_text(fn, args, kwargs)
+        raise
+
+
 def call_each(fn: Callable, cases: Iterable[tuple]) -> list:
     """`fn(*case)` for every case, in one request; the plain values in order. The first case that fails raises
     its `RemoteError`, naming the call."""
@@ -237,12 +247,17 @@ _test_clusters: dict[int, Cluster] = {}  # the test cells' own CPU clusters, by 
 _tested: object = None  # what the test clusters' ranks last ran tests of
 
 
-def run_on_test_ranks(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
-    """The kernel's side of `run`: `fn` on a CPU cluster (gloo) of the tests' own, apart from the notebook's, so
-    a grade does not depend on the machine's GPUs, nor on what the notebook's cells did to its ranks."""
+def test_ranks(world_size: int) -> Cluster:
+    """The kernel's CPU cluster (gloo) of `world_size` ranks for tests, apart from the notebook's, so that a grade
+    does not depend on the machine's GPUs, nor on what the notebook's cells did to its ranks; started and joined."""
     if world_size not in _test_clusters:
         _test_clusters[world_size] = Cluster(world_size, backend="gloo")
-    return _test_clusters[world_size].call(fn, args, kwargs, timeout=timeout)
+    return _test_clusters[world_size].start()
+
+
+def run_on_test_ranks(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+    """The kernel's side of `run`: `fn` on the test ranks of that size."""
+    return test_ranks(world_size).call(fn, args, kwargs, timeout=timeout)
 
 
 def fresh_ranks(tested: object = None) -> None:

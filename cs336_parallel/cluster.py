@@ -71,14 +71,12 @@ class Cluster:
     [0, 1, 2, 3]
     """
 
-    def __init__(self, world_size: int, backend: str = "auto", timeout: float | None = 60.0, *,
-                 check_integrity: bool = False):
+    def __init__(self, world_size: int, backend: str = "auto", timeout: float | None = 60.0):
         check_world_size(world_size)
         self.timeout = check_timeout(timeout)
         self.world_size = world_size
         self.backend = resolve_backend(backend, world_size)
-        self.check_integrity = check_integrity  # ranks refuse to go on after code replaced what tests rely on
-        self._processes = RankProcesses(world_size, self.backend, check_integrity)
+        self._processes = RankProcesses(world_size, self.backend)
         self._cell_count = 0
         self._request_id = 0
         self._lock = threading.RLock()  # one call at a time

@@ -210,10 +210,8 @@ class Outcome:
 
     def needs_new_ranks(self) -> bool:
         """Whether the ranks must be replaced before the next call. A rank that raised leaves its group
-        usable; one that was interrupted, hung, died, destroyed the process group, or replaced what tests
-        rely on (it stops) does not."""
-        tampered = any(getattr(f, "type_name", "") == "TamperingError" for f in self.failures.values())
-        return self.interrupted or bool(self.stuck or self.died or self.group_gone) or tampered
+        usable; one that was interrupted, hung, died or destroyed the process group does not."""
+        return self.interrupted or bool(self.stuck or self.died or self.group_gone)
 
 
 def call_error(outcome: Outcome, timeout: float | None, stacks: dict[int, list[Frame]], stopped: list[int],

@@ -126,8 +126,8 @@ class RankProcess:
 class RankProcesses:
     """The processes of a group of `world_size` ranks: all started or none (see the module docstring)."""
 
-    def __init__(self, world_size: int, backend: str, check_integrity: bool = False):
-        self.world_size, self.backend, self.check_integrity = world_size, backend, check_integrity
+    def __init__(self, world_size: int, backend: str):
+        self.world_size, self.backend = world_size, backend
         self.dir: str | None = None  # private: the store, the stack dumps
         self.has_run = False  # has been sent a request since it was launched
         # The ranks' state is not known: a request is outstanding, or launching or killing them was cut short.
@@ -171,7 +171,7 @@ class RankProcesses:
         (conn, child_conn), (out, child_out), (err, child_err) = ctx.Pipe(), _pipe(ctx), _pipe(ctx)
         process = ctx.Process(target=worker.main, name=f"cs336-rank{rank}",
                               args=(rank, self.world_size, self.backend, store, child_conn, child_out, child_err,
-                                    stack, PG_TIMEOUT_S, self.check_integrity))
+                                    stack, PG_TIMEOUT_S))
         try:
             _start_without_main(process)
         except BaseException:

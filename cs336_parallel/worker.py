@@ -32,7 +32,7 @@ import torch
 import torch._dynamo  # noqa: F401 - imported here, once per server, not by every rank's first optimizer (1 s)
 import torch.distributed as dist
 
-from . import integrity, protocol
+from . import protocol
 from .protocol import Failure
 
 # Warnings that say nothing to a learner about their own code.
@@ -99,12 +99,8 @@ def run_cell(namespace: dict, source: str, filename: str) -> None:
 
 
 def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, err, stack_path: str,
-         pg_timeout_s: float, check_integrity: bool = False) -> None:
-    """Entry point of a rank (the target of the kernel's `multiprocessing.Process`).
-
-    With `check_integrity` (the clusters that tests run on), the rank remembers the functions tests rely
-    on before it serves anything, and after each request it refuses to go on if the code it ran replaced
-    one of them (`integrity`): it reports which, and exits."""
+         pg_timeout_s: float) -> None:
+    """Entry point of a rank (the target of the kernel's `multiprocessing.Process`)."""
     os.setsid()  # a process group of its own: the kernel kills it and everything it started at once
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt stops
@@ -128,8 +124,6 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which raises it
         protocol.send(conn, 0, ("failed", _failure(exc)))
         return
-    if check_integrity:
-        integrity.snapshot()
     world = dist.group.WORLD
     pid = os.getpid()
     protocol.send(conn, 0, ("ready", {"pid": pid, "backend": backend, "device": str(device),
@@ -158,11 +152,6 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
             reply = ("error", _failure(exc))
         if os.getpid() != pid:  # a process the code forked came back here: only the rank itself replies
             os._exit(0)
-        tampered = integrity.changes() if check_integrity else []
-        if tampered:
-            reply = ("error", _failure(integrity.TamperingError(
-                f"the code that ran on rank {rank} replaced {', '.join(tampered[:3])}"
-                f"{' and more' if len(tampered) > 3 else ''}, which tests rely on; this rank stops.")))
         group_intact = dist.is_initialized() and dist.group.WORLD is world
         sys.stdout.flush()
         sys.stderr.flush()
@@ -173,8 +162,6 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, e
                 TypeError(f"the result of rank {rank} cannot be sent to the kernel: {exc}")), group_intact))
         request = reply = None  # free what the call used before waiting for the next
         conn.send_bytes(payload)
-        if tampered:
-            os._exit(3)
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can hang on gloo threads

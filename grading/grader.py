@@ -130,6 +130,7 @@ class KernelBoundary(Boundary):
         return self._request({"kind": "call_each", "fn": fn, "cases": [tuple(c) for c in cases]}, TEST_TIMEOUT_S)
 
     def run(self, world_size, fn, args, kwargs, timeout):
+        self._request({"kind": "ready", "world_size": world_size}, timeout)  # joined: no set-up in the measurement
         before = self.executor.loopback_bytes()
         try:
             return self._request({"kind": "run", "world_size": world_size, "fn": fn, "args": tuple(args),

@@ -1,11 +1,15 @@
 """Mutation testing of the grader: a notebook's master, then every fixture answer (tests/fixtures/variants),
-each followed by copies of its exercise's test cells, graded in one nbgrader autograde run.
+each followed by copies of its exercise's test cells, graded in one autograde run.
 
-The master part is graded by nbgrader as usual (its scores land in the gradebook). Each fixture is a block
-appended after it: the answer cell, copies of the exercise's test cells (hidden parts included), and for a
-correct answer, the demonstration cells that use the exercise, run again. A copy passes when it shows no
-error and nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that puts
-back what it changed in the kernel, so that the blocks after it run in a clean kernel.
+The master part is graded as usual (its scores land in the gradebook). Each fixture is a block appended after
+it: the answer cell, copies of the exercise's test cells (hidden parts included: the grader runs any cell whose
+source is one of the master's test cells in its own process, as it runs the originals), and for a correct
+answer, the demonstration cells that use the exercise, run again. A copy passes when it shows no error and
+nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that puts back what it
+changed in the kernel (`SNAPSHOT`, `RESTORE`), so that the blocks after it run in a clean kernel.
+
+Tricks on the kernel's own machinery (input transformers, custom exception handlers, magics) may leave the
+kernel unable to put anything back: they run in a notebook of their own (`build(..., machinery=True)`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from dataclasses import dataclass, field
 import nbformat
 
 from fixtures.variants import Correct, Tamper, Wrong
-from grading import verdict
 
 
 def _meta(cell) -> dict:
@@ -108,7 +111,7 @@ class Block:
     expect: tuple[str, ...] = ()  # wrong: the concerns that must fail
     caught_by: str = ""  # tamper: words every failing reason must contain
     cleanup: str = ""  # tamper: run after the tests, puts the kernel back
-    layer: str = "runtime"  # tamper: the defence that stops it, "runtime" (the tests fail) or "static" (flagged)
+    layer: str = "runtime"  # tamper: "machinery" for tricks on the kernel's machinery (a notebook of their own)
     touches: tuple[str, ...] = ()  # tamper: the concerns it is meant to fool (all if empty)
 
 
@@ -116,6 +119,16 @@ def _stub(ex: Exercise) -> str:
     if ex.is_class:
         return f"class {ex.name}(torch.nn.Module):\n    pass\n"
     return f"def {ex.name}(*args, **kwargs):\n    return None\n"
+
+
+def _blank(ex: Exercise) -> str:
+    """The exercise as the student version leaves it (a value exercise: not defined at all)."""
+    if ex.is_value:
+        return f"globals().pop({ex.name!r}, None)"
+    if ex.is_class:
+        return (f"class {ex.name}(torch.nn.Module):\n    def __init__(self, *args, **kwargs):\n"
+                "        raise NotImplementedError()")
+    return f"def {ex.name}(*args, **kwargs):\n    raise NotImplementedError()"
 
 
 _PATCHES = """
@@ -127,14 +140,31 @@ math.isclose = lambda *args, **kwargs: True
 torch.testing.assert_close = lambda *args, **kwargs: None
 torch.equal = torch.allclose = lambda *args, **kwargs: True
 """
-_RESTORE = "from cs336_parallel import integrity\nintegrity.restore()\n"
+# What tampering blocks may change in the kernel: a copy before the first, put back after each.
+SNAPSHOT = """
+import builtins, math, sys, torch, torch.testing, torch.distributed, torch.serialization, cs336_parallel.checks
+_harness_saved = [(owner, dict(vars(owner))) for owner in (builtins, math, torch, torch.testing, torch.distributed,
+                  torch.serialization, cs336_parallel.checks, torch.Tensor, torch.nn.Module)]
+_harness_code = [(f, f.__code__) for _, saved in _harness_saved for f in saved.values() if hasattr(f, "__code__")]
+_harness_modules = dict(sys.modules)
+"""
+RESTORE = """
+for _owner, _saved in _harness_saved:
+    for _name, _value in _saved.items():
+        if vars(_owner).get(_name, _saved) is not _value:
+            setattr(_owner, _name, _value)
+for _function, _code in _harness_code:
+    _function.__code__ = _code
+sys.modules.update(_harness_modules)
+"""
 _ALWAYS_EQUAL = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n        return True\n\n"
                  "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n")
 
 
 def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
     """The tricks any exercise can be tried with: patched checks (in the kernel, or while the answer runs),
-    names a test might use shadowed, and a result that claims to equal anything."""
+    names a test might use shadowed, a result that claims to equal anything, and refusing every call (which the
+    argument tests must not reward)."""
     patched_in_call = textwrap.indent(_PATCHES, "    ")
     if ex.is_class:  # when the test builds one, or asks for an alternate constructor (`from_linear`)
         in_call = (f"class _Patching(type(torch.nn.Module)):\n    def __getattr__(cls, name):\n"
@@ -148,17 +178,20 @@ def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
                                  "simulate", "check_schedule"})
     shadows = "".join(f"def {n}(*args, **kwargs):\n    return True\n\n" for n in shadowed)
     blocks = [
-        Block(ex.name, "tamper", "rebinds the checks in the kernel", _stub(ex) + _PATCHES, caught_by="replaced",
-              cleanup=_RESTORE),
+        Block(ex.name, "tamper", "rebinds the checks in the kernel", _stub(ex) + _PATCHES, cleanup=RESTORE),
         Block(ex.name, "tamper", "rebinds the checks while it runs (on the ranks, or in the kernel)", in_call,
-              caught_by="replaced", cleanup=_RESTORE),
+              cleanup=RESTORE),
         Block(ex.name, "tamper", "shadows the names a test could use without qualifying them",
               _stub(ex) + "\n" + shadows, cleanup=f"for _name in {shadowed!r}:\n    globals().pop(_name, None)\n"),
     ]
     if ex.is_value:  # a value never runs: no code of its own can patch anything while a test uses it
-        blocks = [blocks[0], blocks[2], Block(ex.name, "tamper", "a value that claims to equal anything",
-                                              _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]
-    elif not ex.is_class:
+        return [blocks[0], blocks[2], Block(ex.name, "tamper", "a value that claims to equal anything",
+                                            _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]
+    refusing = "    def __init__(self, *args, **kwargs):\n        raise ValueError('no')\n"
+    blocks.append(Block(ex.name, "tamper", "raises ValueError on every call",
+                        f"class {ex.name}(torch.nn.Module):\n{refusing}" if ex.is_class else
+                        f"def {ex.name}(*args, **kwargs):\n    raise ValueError('no')\n"))
+    if not ex.is_class:
         always_equal = _ALWAYS_EQUAL + f"def {ex.name}(*args, **kwargs):\n    return AlwaysEqual(0.0)\n"
         blocks.append(Block(ex.name, "tamper", "returns a number that claims to equal anything", always_equal))
     return blocks
@@ -181,14 +214,15 @@ def blocks(nb, variants: dict[str, list]) -> list[Block]:
                 assert not unknown, f"{name}: {f.why!r} expects to fail {unknown}; its concerns: {concerns}"
                 ordinary.append(Block(name, "wrong", f.why, f.source, expect=tuple(f.fails)))
             elif isinstance(f, Tamper):
-                tampering.append(Block(name, "tamper", f.why, f.source, caught_by=f.caught_by, cleanup=_RESTORE,
+                tampering.append(Block(name, "tamper", f.why, f.source, caught_by=f.caught_by, cleanup=RESTORE,
                                        layer=f.layer, touches=f.touches))
         tampering += generic_tampers(found[name], helper_names(nb))
     return ordinary + tampering
 
 
-def build(master, all_blocks: list[Block]):
-    """The master notebook with every block appended; harness cells are marked in their metadata."""
+def build(master, all_blocks: list[Block], *, machinery: bool = False):
+    """The master notebook with blocks appended (those on the kernel's machinery, or all the others); harness
+    cells are marked in their metadata. Block numbers are indices into `all_blocks`."""
     nb = nbformat.from_dict(master)
     found = exercises(master)
     graded = {_meta(c)["grade_id"]: c.source for c in master.cells if _meta(c).get("grade")}
@@ -198,10 +232,13 @@ def build(master, all_blocks: list[Block]):
         c.metadata["mutation"] = mark
         return c
 
+    nb.cells.append(cell(SNAPSHOT, role="snapshot"))
     for i, b in enumerate(all_blocks):
-        if b.layer == "static":
+        if (b.layer == "machinery") != machinery:
             continue
         ex = found[b.exercise]
+        if b.kind == "tamper":  # a trick earns only what its own answer does: nothing of an earlier block's
+            nb.cells.append(cell(_blank(ex), block=i, role="blank"))
         nb.cells.append(cell(b.answer, block=i, role="answer"))
         for concern, grade_id in ex.tests.items():
             nb.cells.append(cell(graded[grade_id], block=i, role="test", concern=concern))
@@ -239,8 +276,6 @@ class Outcome:
             extra, missed = set(self.failed) - set(b.expect), set(b.expect) - set(self.failed)
             return ([f"{label}: should keep the points of {c}, fails: {self.failed[c]}" for c in sorted(extra)]
                     + [f"{label}: should fail {c}, but passes" for c in sorted(missed)])
-        if b.layer == "static":  # not run: the grader zeroes every test after such a cell without running it
-            return [] if verdict.tampering(b.answer) else [f"{label}: the grader's static check does not flag it"]
         touched = b.touches or (*self.passed, *self.failed)
         return ([f"{label}: passes {c}" for c in self.passed if c in touched]
                 + [f"{label}: {c} fails, but not because of the trick ({b.caught_by!r} is not in: {r})"
@@ -251,7 +286,7 @@ def outcomes(graded_nb, all_blocks: list[Block]) -> list[Outcome]:
     results = [Outcome(b, {}, [], []) for b in all_blocks]
     for c in graded_nb.cells:
         mark = c.metadata.get("mutation")
-        if not mark:
+        if not mark or "block" not in mark:
             continue
         result, reason = results[mark["block"]], _failure(c)
         if mark["role"] == "test":

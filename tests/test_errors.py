@@ -108,14 +108,6 @@ def test_an_interrupt_says_where_each_rank_was():
     assert outcome.needs_new_ranks()
 
 
-def test_code_that_replaced_what_tests_rely_on_restarts_the_ranks():
-    outcome = Outcome()
-    outcome.add(0, ("error", raised("TamperingError", "the code replaced math.isclose"), True))
-    error = call_error(outcome, 5.0, {}, [], {})
-    assert error.headline == "rank 0 raised TamperingError: the code replaced math.isclose"
-    assert error.details[-1] == RESTARTED and outcome.needs_new_ranks()
-
-
 def test_a_destroyed_process_group_restarts_the_ranks_without_an_error():
     outcome = Outcome()
     outcome.add(0, ("ok", 1, False))

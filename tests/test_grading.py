@@ -8,6 +8,7 @@ version. The rest checks the release, the learner's loop, and the grader's defen
 from __future__ import annotations
 
 import ast
+import csv
 import importlib
 import re
 import shutil
@@ -20,10 +21,10 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from grading import course, verdict
+from grading import classroom, gradebook, verdict
 from grading.runner import Limits
 
-ASSIGNMENTS = course.assignments()
+ASSIGNMENTS = gradebook.assignments()
 pytestmark = pytest.mark.timeout(900)  # a module fixture autogrades a whole notebook and its fixtures
 DEADLOCK_TIMEOUT_S = "10"  # a fixture that deadlocks fails its test after this long (checks.TEST_TIMEOUT_S)
 
@@ -40,22 +41,22 @@ def graded_cells(nb) -> dict[str, nbformat.NotebookNode]:
 
 def copy_course(root: Path, *names: str) -> Path:
     for name in names:
-        shutil.copytree(course.COURSE / "source" / name, root / "source" / name)
+        shutil.copytree(gradebook.COURSE / "source" / name, root / "source" / name)
     return root
 
 
 def autograde(root: Path, name: str, submissions: dict[str, nbformat.NotebookNode]) -> dict[str, list]:
-    """Grade each student's notebook; {student: course.scores(...)}."""
+    """Grade each student's notebook; {student: gradebook.scores(...)}."""
     for student, nb in submissions.items():
         target = root / "submitted" / student / name
         target.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, target / f"{name}.ipynb")
-    course.autograde([name], root)
-    return {student: course.scores(name, student, root) for student in submissions}
+    classroom.autograde([name], root)
+    return {student: gradebook.scores(name, student, root) for student in submissions}
 
 
 def autograded(root: Path, name: str, student: str) -> nbformat.NotebookNode:
-    return nbformat.read(root / "autograded" / student / name / f"{name}.ipynb", 4)
+    return nbformat.read(gradebook.autograded_notebook(root, name, student), 4)
 
 
 # -- the release -------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def released(request, tmp_path_factory) -> tuple[str, Path]:
     """(assignment, course root): a copy of the course with that one assignment generated."""
     name = request.param
     root = copy_course(tmp_path_factory.mktemp(name), name)
-    course.release(root, root / "notebooks", [name])
+    gradebook.release(root, root / "notebooks", [name])
     return name, root
 
 
@@ -74,12 +75,12 @@ def test_committed_notebooks_are_the_current_release(released):
     generated = (root / "notebooks" / f"{name}.ipynb").read_bytes()
     committed = ROOT / "notebooks" / f"{name}.ipynb"
     assert committed.exists() and committed.read_bytes() == generated, (
-        f"notebooks/{name}.ipynb is out of date: run `make notebooks` (python grading/course.py release)")
+        f"notebooks/{name}.ipynb is out of date: run `make notebooks` (python -m grading release)")
 
 
 def test_release_has_no_solution_hidden_test_or_output(released):
     name, root = released
-    source = (course.COURSE / "source" / name / f"{name}.ipynb").read_text()
+    source = (gradebook.COURSE / "source" / name / f"{name}.ipynb").read_text()
     text = (root / "notebooks" / f"{name}.ipynb").read_text()
     for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
         assert marker not in text
@@ -96,10 +97,11 @@ def test_release_has_no_solution_hidden_test_or_output(released):
 
 @pytest.mark.parametrize("name", ASSIGNMENTS)
 def test_test_cells_follow_the_house_rules(name):
-    """Every test cell runs through %%test (one exercise, a namespace of its own), comes with visible checks
-    before its hidden ones, explains each failed assert, and shares helpers only through read-only cells; the
-    setup cell is read-only; the cells a learner may edit reach into nothing."""
-    nb = nbformat.read(course.COURSE / "source" / name / f"{name}.ipynb", 4)
+    """Every test cell is a %%test cell (one exercise, a namespace of its own), comes with visible checks before its
+    hidden ones, explains each failed assert, and runs on the ranks only drivers of its notebook's read-only
+    %%test_helpers cells (what crosses to the kernel is data and names, never test code); the setup cell is
+    read-only; the cells a learner may edit reach into nothing."""
+    nb = nbformat.read(gradebook.COURSE / "source" / name / f"{name}.ipynb", 4)
     assert grade_cells(nb), f"{name} has no exercise"
     first = nb.cells[next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")]
     code = [line for line in first.source.splitlines() if not line.startswith("#")]  # after the hosted-install note
@@ -114,9 +116,12 @@ def test_test_cells_follow_the_house_rules(name):
             assert meta["grade_id"].startswith(f"test_{head.split()[1]}"), meta["grade_id"]
             visible = body.strip() and not body.lstrip().startswith("### BEGIN HIDDEN")
             assert visible, f"{meta['grade_id']}: no visible test before the hidden ones"
-            bare = [n.lineno for n in ast.walk(ast.parse(mutation._python(cell.source)))
-                    if isinstance(n, ast.Assert) and n.msg is None]
+            tree = ast.parse(mutation._python(cell.source))
+            bare = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert) and n.msg is None]
             assert not bare, f"{meta['grade_id']}: the assert on line {bare} says nothing when it fails"
+            for driver in drivers(tree):
+                assert driver in helper_defs, (f"{meta['grade_id']}: checks.run({driver}, ...) must name a driver of "
+                                               "an earlier %%test_helpers cell: test code never crosses to the kernel")
         elif cell.source.startswith("%%test_helpers"):
             assert meta.get("locked"), "a %%test_helpers cell is read-only (the grader restores it)"
             for defined in mutation._names(cell.source)[0]:
@@ -124,6 +129,12 @@ def test_test_cells_follow_the_house_rules(name):
                 helper_defs[defined] = meta["grade_id"]
         elif cell.cell_type == "code" and not meta.get("locked"):
             assert not verdict.tampering(cell.source), (cell.source[:80], verdict.tampering(cell.source))
+
+
+def drivers(tree: ast.AST) -> list[str]:
+    """The names passed as the function of `checks.run(world_size, fn, ...)` in a test cell."""
+    return [call.args[1].id for call in ast.walk(tree) if isinstance(call, ast.Call)
+            and ast.unparse(call.func) == "checks.run" and len(call.args) > 1 and isinstance(call.args[1], ast.Name)]
 
 
 # -- mutation testing: each notebook's master and every fixture, all in one parallel autograde run ----------
@@ -146,7 +157,8 @@ class MutationRun:
 
 @pytest.fixture(scope="session")
 def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
-    """Every selected notebook's master and fixtures, autograded in one parallel run (as a class is graded)."""
+    """Every selected notebook's master and fixtures, autograded in one parallel run (as a class is graded); the
+    tricks on the kernel's machinery in a notebook of their own per assignment."""
     names = sorted({item.callspec.params["mutation_run"] for item in request.session.items
                     if "mutation_run" in getattr(item, "fixturenames", ())})
     root = copy_course(tmp_path_factory.mktemp("mutations"), *names)
@@ -154,20 +166,23 @@ def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
     for name in names:
         master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
         built[name] = mutation.blocks(master, variants(name))
-        target = root / "submitted" / "mutations" / name
-        target.mkdir(parents=True)
-        nbformat.write(mutation.build(master, built[name]), target / f"{name}.ipynb")
+        for student, machinery in (("mutations", False), ("machinery", True)):
+            target = root / "submitted" / student / name
+            target.mkdir(parents=True)
+            nbformat.write(mutation.build(master, built[name], machinery=machinery), target / f"{name}.ipynb")
         (root / "submitted" / "blank" / name).mkdir(parents=True)
         shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root / "submitted" / "blank" / name)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CS336_TEST_TIMEOUT_S", DEADLOCK_TIMEOUT_S)
         # One notebook holds a whole class's worth of answers and their demonstrations: more output than one.
-        course.autograde(names, root, jobs=2, limits=Limits(output_mb=100))
+        classroom.autograde(names, root, jobs=2, limits=Limits(output_mb=100))
     runs = {}
     for name, blocks in built.items():
-        graded = autograded(root, name, "mutations")
-        scores, blank = course.scores(name, "mutations", root), course.scores(name, "blank", root)
-        runs[name] = MutationRun(name, scores, blank, graded, mutation.outcomes(graded, blocks))
+        graded, machinery = autograded(root, name, "mutations"), autograded(root, name, "machinery")
+        scores, blank = gradebook.scores(name, "mutations", root), gradebook.scores(name, "blank", root)
+        outcomes = [a if a.failed or a.passed or a.demo_errors else b for a, b in
+                    zip(mutation.outcomes(graded, blocks), mutation.outcomes(machinery, blocks), strict=True)]
+        runs[name] = MutationRun(name, scores, blank, graded, outcomes)
     return runs
 
 
@@ -208,15 +223,15 @@ def test_each_failure_says_in_one_line_which_case_failed(mutation_run):
             assert reason.strip() and "\n" not in reason and "### BEGIN" not in reason, (outcome.block.why, reason)
 
 
-# -- the real nbgrader path: edits, deletions, displayed scores, machinery, feedback --------------------------
+# -- the real grading path: edits, deletions, displayed scores, machinery, feedback -------------------------------
 
 @pytest.fixture(scope="module")
 def defences(tmp_path_factory) -> tuple[Path, dict[str, list]]:
     """00_setup graded for students who edit or delete a test cell, display a score before failing, or reach
-    into the kernel before the tests (after a correct answer)."""
+    into the kernel's machinery after a correct answer."""
     name = "00_setup"
     root = copy_course(tmp_path_factory.mktemp("defences"), name)
-    course.release(root, root / "notebooks", [name])
+    gradebook.release(root, root / "notebooks", [name])
     master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
     blank = nbformat.read(root / "release" / name / f"{name}.ipynb", 4)
 
@@ -254,35 +269,43 @@ def test_a_displayed_number_is_no_partial_credit(defences):
     assert all(s.score == 0 for s in scores["displayed"]), scores["displayed"]
 
 
-def test_code_that_reaches_into_the_kernel_zeroes_every_test_after_it(defences):
-    _, scores = defences
-    assert all(s.score == 0 and "reaches into the kernel" in s.reason for s in scores["machinery"]), scores["machinery"]
+def test_code_that_reaches_into_the_kernel_costs_nothing_and_is_listed_for_review(defences):
+    """The tests run in the grader: a correct answer beside machinery code keeps its points, and the report lists
+    the cell for the instructor (scores.csv's review column, the student's reasons file)."""
+    root, scores = defences
+    assert all(s.score == s.max_score for s in scores["machinery"]), scores["machinery"]
+    rows = [row for row in csv.DictReader((root / "report" / "scores.csv").open()) if row["student"] == "machinery"]
+    assert rows and all("get_ipython" in row["review"] for row in rows), rows
+    assert "for review (not scored)" in (root / "report" / "reasons" / "machinery.txt").read_text()
+    assert not any(row["review"] for row in csv.DictReader((root / "report" / "scores.csv").open())
+                   if row["student"] != "machinery")
 
 
 def test_feedback_gives_each_reason_and_no_hidden_test(defences):
     root, scores = defences
-    course.feedback(["00_setup"], root)
-    html = (root / "feedback" / "machinery" / "00_setup" / "00_setup.html").read_text()
-    assert "reaches into the kernel" in html
+    gradebook.feedback(["00_setup"], root)
+    html = (root / "feedback" / "displayed" / "00_setup" / "00_setup.html").read_text()
+    assert "is not implemented yet" in html
     master = nbformat.read(root / "source" / "00_setup" / "00_setup.ipynb", 4)
     for cell in graded_cells(master).values():
         for hidden in re.findall(r"### BEGIN HIDDEN TESTS\n(.*?)### END", cell.source, re.S):
-            assert hidden.strip().splitlines()[0] not in html
+            for line in hidden.strip().splitlines():
+                assert line.strip() not in html, line
 
 
 def test_the_instructor_workflow_collect_autograde_feedback_export(tmp_path, capsys):
     root, submissions = copy_course(tmp_path / "course", "00_setup"), tmp_path / "downloads"
-    for student, source in [("ada", course.COURSE / "source"), ("bo", ROOT / "notebooks")]:
+    for student, source in [("ada", gradebook.COURSE / "source"), ("bo", ROOT / "notebooks")]:
         (submissions / student).mkdir(parents=True)
         shutil.copy(next(source.rglob("00_setup.ipynb")), submissions / student / "00_setup.ipynb")
     (submissions / "bo" / "notes.ipynb").write_text("{}")  # not an assignment: skipped with a message
-    assert course.collect(submissions, root) == [("ada", "00_setup"), ("bo", "00_setup")]
-    course.autograde(None, root)
+    assert gradebook.collect(submissions, root) == [("ada", "00_setup"), ("bo", "00_setup")]
+    classroom.autograde(None, root)
     assert "autograding: 100%" in capsys.readouterr().err  # the progress bar over students
-    course.feedback(None, root)
+    gradebook.feedback(None, root)
     for student in ("ada", "bo"):
         assert (root / "feedback" / student / "00_setup/00_setup.html").exists()
-    rows = course.export(tmp_path / "grades.csv", root).read_text().splitlines()
+    rows = gradebook.export(tmp_path / "grades.csv", root).read_text().splitlines()
     by_student = {row.split(",")[3]: row.split(",") for row in rows[1:]}
     assert by_student["ada"][-2:] == ["2.5", "2.5"] and by_student["bo"][-2:] == ["0.0", "2.5"]
 
@@ -291,7 +314,7 @@ def test_a_learner_grades_their_own_notebook_after_the_first_exercise(tmp_path):
     """The first hour: the student version of 01 with only ring_reduce_scatter written, self-graded from the
     notebooks folder (where JupyterLab's terminal opens); each failure comes with its reason."""
     mine = nbformat.read(ROOT / "notebooks" / "01_collectives.ipynb", 4)
-    solution = grade_cells(nbformat.read(course.COURSE / "source/01_collectives/01_collectives.ipynb", 4))
+    solution = grade_cells(nbformat.read(gradebook.COURSE / "source/01_collectives/01_collectives.ipynb", 4))
     grade_cells(mine)["ring_reduce_scatter"].source = solution["ring_reduce_scatter"].source
     nbformat.write(mine, tmp_path / "01_collectives.ipynb")
     done = subprocess.run(["make", "grade", f"NOTEBOOK={tmp_path / '01_collectives.ipynb'}"],
