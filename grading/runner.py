@@ -88,14 +88,14 @@ class LimitedExecute(Execute):
     shutdown_kernel = Enum(["graceful", "immediate"], default_value="immediate")
 
     def __init__(self, *, box: Path, limits: Limits, use_sandbox: bool, memory: MemoryLimit | None,
-                 interrupt: threading.Event, master: Path, **kwargs):
+                 interrupt: threading.Event, master: Path | None = None, **kwargs):
         super().__init__(**kwargs)
         self.box, self.limits, self.use_sandbox, self.memory = box, limits, use_sandbox, memory
         self.interrupt = interrupt  # set by the grader's Ctrl-C: stop now, and keep nothing of this run
         self.cell_timeout = self.timeout  # nbgrader's backstop per cell (nbgrader_config.py)
         self.stopped = ""  # why no further cell runs
         self.shown = 0  # bytes of output so far
-        self.tests = TestSession(master, self)
+        self.tests = TestSession(master, self) if master else None  # the course's tests, run here
         self.index = 0  # the cell being run
         self.in_request = False
         self._sandbox_pid: int | None = None
@@ -122,7 +122,7 @@ class LimitedExecute(Execute):
         if self.stopped:
             cell.outputs = [limit_error(f"not run: {self.stopped}")]
             return cell, resources
-        kind = self.tests.kind(cell)
+        kind = self.tests.kind(cell) if self.tests else None
         if kind == "test":
             cell.outputs, cell.execution_count = self.tests.run_test(cell), None
             if self.stopped:  # the kernel stopped during the test: the limit says more than the test could
@@ -243,10 +243,11 @@ def interrupt_all() -> None:
             executor.stop("grading was interrupted")
 
 
-def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, master: Path,
+def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, master: Path | None = None,
             use_sandbox: bool = True, interrupt: threading.Event | None = None) -> tuple[NotebookNode, str]:
-    """Execute `nb` with its kernel working in box/work, under `limits`: the executed notebook, and the limit
-    that stopped it early ("" if none did). Raises RuntimeError if the kernel does not start."""
+    """Execute `nb` with its kernel working in box/work, under `limits`, the test cells of `master` (the course's
+    notebook) in this process: the executed notebook, and the limit that stopped it early ("" if none did). Raises
+    RuntimeError if the kernel does not start."""
     memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
     executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
                               interrupt=interrupt or threading.Event(), master=master)

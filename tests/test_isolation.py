@@ -24,7 +24,7 @@ import pytest
 
 from conftest import ROOT
 from fixtures import attacks
-from grading import cgroup, course, runner, sandbox
+from grading import cgroup, classroom, gradebook, runner, sandbox
 
 NAME = attacks.NAME
 LIMITS = runner.Limits(wall_s=180, memory_mb=2048, output_mb=5)
@@ -62,10 +62,10 @@ def kill_left_behind() -> None:
 
 def make_class(root: Path, students: list[str] = CLASS) -> Path:
     """A course with the mixed class (or some of it) submitted; a config copy an attack may reach."""
-    shutil.copytree(course.COURSE / "source" / NAME, root / "source" / NAME)
-    shutil.copy(course.COURSE / "nbgrader_config.py", root / "nbgrader_config.py")
+    shutil.copytree(gradebook.COURSE / "source" / NAME, root / "source" / NAME)
+    shutil.copy(gradebook.COURSE / "nbgrader_config.py", root / "nbgrader_config.py")
     master = nbformat.read(root / "source" / NAME / f"{NAME}.ipynb", 4)
-    for student, nb in attacks.submissions(master, root, course.COURSE).items():
+    for student, nb in attacks.submissions(master, root, gradebook.COURSE).items():
         if student in students:
             (root / "submitted" / student / NAME).mkdir(parents=True)
             nbformat.write(nb, root / "submitted" / student / NAME / f"{NAME}.ipynb")
@@ -89,14 +89,14 @@ class Graded:
 
 
 def grade(root: Path, limits: runner.Limits = LIMITS, **options) -> Graded:
-    watched = [course.COURSE / "nbgrader_config.py", root / "nbgrader_config.py",
+    watched = [gradebook.COURSE / "nbgrader_config.py", root / "nbgrader_config.py",
                *sorted((root / "submitted").rglob("*.ipynb"))]
     before = {str(p): digest(p) for p in watched}
     try:
-        runs = course.autograde([NAME], root, limits=limits, **options)
+        runs = classroom.autograde([NAME], root, limits=limits, **options)
         left = left_behind()
         students = sorted(p.name for p in (root / "submitted").iterdir())
-        return Graded(root, {s: course.scores(NAME, s, root) for s in students}, runs, before, left)
+        return Graded(root, {s: gradebook.scores(NAME, s, root) for s in students}, runs, before, left)
     finally:
         time.sleep(1.0)  # a process left behind would act now
         kill_left_behind()
@@ -137,7 +137,7 @@ def test_a_submission_cannot_read_the_sources_or_reach_the_network(two_at_once):
 
 def test_a_process_left_behind_cannot_write_the_gradebook(two_at_once):
     assert "ATTACK gradebook: a process was left behind" in two_at_once.output("mallory_gradebook")
-    rescored = course.scores(NAME, "mallory_gradebook", two_at_once.root)  # after the process would have acted
+    rescored = gradebook.scores(NAME, "mallory_gradebook", two_at_once.root)  # after the process would have acted
     assert all(s.score == 0 for s in rescored), rescored
 
 
@@ -171,7 +171,7 @@ def test_without_a_sandbox_the_attacks_succeed(unsandboxed):
     assert unsandboxed.total("eve_sources") == 2.5, unsandboxed.scores["eve_sources"]
     assert "ATTACK network: [Errno 101]" not in unsandboxed.output("eve_sources")
     assert unsandboxed.left, "the attacks left no process behind"
-    assert any(s.score > 0 for s in course.scores(NAME, "mallory_gradebook", unsandboxed.root))
+    assert any(s.score > 0 for s in gradebook.scores(NAME, "mallory_gradebook", unsandboxed.root))
     ada = unsandboxed.root / "submitted" / "ada_correct" / NAME / f"{NAME}.ipynb"
     assert digest(ada) != unsandboxed.before[str(ada)], "another student's submission was not overwritten"
 
@@ -199,7 +199,7 @@ def test_the_wall_clock_limit_stops_the_cell_running_and_every_later_one(tmp_pat
     first = "import os; print(os.environ.get('CS336_TEST_TIMEOUT_S'), os.environ.get('GRADER_TOKEN'))"
     nb.cells = [nbformat.v4.new_code_cell(s) for s in (first, "while True:\n    pass", "print('x')")]
     (tmp_path / "work").mkdir()
-    ran, limit = runner.execute(nb, {}, tmp_path, course.api().config, runner.Limits(wall_s=8), use_sandbox=True)
+    ran, limit = runner.execute(nb, {}, tmp_path, gradebook.api().config, runner.Limits(wall_s=8), use_sandbox=True)
     assert limit == "the notebook used its wall-clock limit of 8 s, and it was stopped"
     assert ran.cells[0].outputs[0].text == "10 None\n"
     assert [o.evalue for o in ran.cells[1].outputs] == [limit]
@@ -210,8 +210,8 @@ def test_the_wall_clock_limit_stops_the_cell_running_and_every_later_one(tmp_pat
 
 def test_the_report_has_every_score_and_each_failure_in_one_line(two_at_once):
     rows = (two_at_once.root / "report" / "scores.csv").read_text().splitlines()
-    assert rows[0] == "student,assignment,test,score,max_score" and len(rows) == 1 + len(CLASS) * 3
-    assert "ada_correct,00_setup,test_shard_range_uneven,1,1" in rows
+    assert rows[0] == "student,assignment,test,score,max_score,review" and len(rows) == 1 + len(CLASS) * 3
+    assert "ada_correct,00_setup,test_shard_range_uneven,1,1," in rows
     blank = (two_at_once.root / "report" / "reasons" / "bo_blank.txt").read_text().splitlines()
     assert blank == [f"00_setup  {t}  0 / {m}  `shard_range` is not implemented yet (its cell still raises "
                      "NotImplementedError)." for t, m in [("shard_range", 1), ("shard_range_uneven", 1),
@@ -219,10 +219,10 @@ def test_the_report_has_every_score_and_each_failure_in_one_line(two_at_once):
 
 
 def test_a_second_run_resumes_and_one_student_can_be_regraded(two_at_once):
-    assert course.autograde([NAME], two_at_once.root, limits=LIMITS, sandbox=True) == []
-    again = course.autograde([NAME], two_at_once.root, limits=LIMITS, sandbox=True, students=["bo_blank"])
+    assert classroom.autograde([NAME], two_at_once.root, limits=LIMITS, use_sandbox=True) == []
+    again = classroom.autograde([NAME], two_at_once.root, limits=LIMITS, use_sandbox=True, students=["bo_blank"])
     assert [r.student for r in again] == ["bo_blank"]
-    assert course.scores(NAME, "bo_blank", two_at_once.root) == two_at_once.scores["bo_blank"]
+    assert gradebook.scores(NAME, "bo_blank", two_at_once.root) == two_at_once.scores["bo_blank"]
 
 
 def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
@@ -243,7 +243,7 @@ def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
     results = root / "executed" / NAME
     finished = [p.parent.name for p in results.glob("*/run.json")]
     assert len(finished) == 1 and (results / finished[0] / "scored").exists(), finished  # its scoring completed
-    runs = course.autograde([NAME], root, limits=LIMITS, sandbox=True)
+    runs = classroom.autograde([NAME], root, limits=LIMITS, use_sandbox=True)
     assert sorted(r.student for r in runs) == sorted({"ada_correct", "bo_blank", "flo_output"} - set(finished))
 
 
@@ -252,7 +252,7 @@ def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
 def test_slurm_shards_run_as_separate_processes_then_merge_into_the_gradebook(tmp_path, one_at_a_time):
     students = ["ada_correct", "bo_blank", "flo_output"]
     root = make_class(tmp_path, students)
-    cli = [sys.executable, "grading/course.py", "--course", str(root)]
+    cli = [sys.executable, "-m", "grading", "--course", str(root)]
     subprocess.run([*cli, "prepare", NAME], cwd=ROOT, check=True, capture_output=True)
     env = {**os.environ, "COURSE": str(root), "PYTHON": sys.executable, "SLURM_SUBMIT_DIR": str(ROOT),
            "SLURM_ARRAY_TASK_COUNT": "2"}
@@ -265,5 +265,5 @@ def test_slurm_shards_run_as_separate_processes_then_merge_into_the_gradebook(tm
     merged = subprocess.run([*cli, "merge", NAME], cwd=ROOT, capture_output=True, text=True)
     assert merged.returncode == 0 and "scored 3 notebooks" in merged.stdout, merged.stdout + merged.stderr
     for student in students:
-        assert course.scores(NAME, student, root) == one_at_a_time.scores[student]
+        assert gradebook.scores(NAME, student, root) == one_at_a_time.scores[student]
     assert "stopped early" in (root / "report" / "reasons" / "flo_output.txt").read_text()

@@ -43,9 +43,10 @@ def test_run_targets_a_notebook_function(notebook):
 
 
 def test_a_notebook_dataclass_works_and_travels_to_ranks(notebook):
-    from cs336_parallel import checks
+    from cs336_parallel import Cluster
 
     ns = load_definitions(notebook, ["Shard", "area"])
     assert ns["Shard"](1, 2).stop == 2
-    assert checks.run(2, lambda shard, area: (shard.start, round(area(1), 2)), ns["Shard"](3, 4), ns["area"]) == [
-        (3, 3.14), (3, 3.14)]
+    with Cluster(2, backend="gloo") as cluster:
+        got = cluster.run(lambda shard, area: (shard.start, round(area(1), 2)), ns["Shard"](3, 4), ns["area"])
+    assert got == [(3, 3.14), (3, 3.14)]

@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 from conftest import ROOT
 from cs336_parallel import versions
 from cs336_parallel.magics import cpu_fallback_note
-from grading import course
+from grading import gradebook
 
 PYPROJECT = (ROOT / "pyproject.toml").read_text()
 
@@ -155,21 +155,21 @@ def test_one_gpu_and_four_ranks_says_why_the_ranks_run_on_the_cpu():
 
 def test_make_notebooks_keeps_a_notebook_with_changes(tmp_path):
     name = "00_setup"
-    shutil.copytree(course.COURSE / "source" / name, tmp_path / "source" / name)
+    shutil.copytree(gradebook.COURSE / "source" / name, tmp_path / "source" / name)
     into = tmp_path / "notebooks"
     target = into / f"{name}.ipynb"
-    course.release(tmp_path, into, [name])
+    gradebook.release(tmp_path, into, [name])
     master = tmp_path / "source" / name / f"{name}.ipynb"
     master.write_text(master.read_text().replace("Setup: the machine", "Setup: this machine"))
-    course.release(tmp_path, into, [name])  # an instructor's second release: it replaces the first one
+    gradebook.release(tmp_path, into, [name])  # an instructor's second release: it replaces the first one
     assert "Setup: this machine" in target.read_text()
     learner = target.read_text().replace("# YOUR CODE HERE", "return 0, n  # my answer")
     target.write_text(learner)
-    with pytest.raises(course.LearnerChanges) as info:
-        course.release(tmp_path, into, [name])
+    with pytest.raises(gradebook.LearnerChanges) as info:
+        gradebook.release(tmp_path, into, [name])
     assert target.read_text() == learner and info.value.kept == [target]
     assert "has changes that the release would overwrite" in str(info.value) and "FORCE=1" in str(info.value)
-    course.release(tmp_path, into, [name], force=True)
+    gradebook.release(tmp_path, into, [name], force=True)
     assert "my answer" not in target.read_text()
 
 
@@ -181,9 +181,9 @@ def hosted_command() -> str:
     return f'%pip install "cs336-parallel[hosted] @ git+{url}"'
 
 
-@pytest.mark.parametrize("name", course.assignments())
+@pytest.mark.parametrize("name", gradebook.assignments())
 def test_each_notebooks_first_cell_says_how_to_install_on_colab_or_kaggle(name):
-    for path in (course.COURSE / "source" / name / f"{name}.ipynb", ROOT / "notebooks" / f"{name}.ipynb"):
+    for path in (gradebook.COURSE / "source" / name / f"{name}.ipynb", ROOT / "notebooks" / f"{name}.ipynb"):
         first = next(c for c in nbformat.read(path, 4).cells if c.cell_type == "code")
         lines = first.source.splitlines()
         assert lines[:2] == ["# On Colab or Kaggle, run this first, in a new cell above this one:",
@@ -231,7 +231,7 @@ def test_a_notebook_runs_on_a_host_after_the_hosted_install_which_keeps_the_host
     subprocess.run([python, "-m", "ipykernel", "install", "--prefix", kernels, "--name", "hosted"], check=True,
                    capture_output=True)
     monkeypatch.setenv("JUPYTER_PATH", str(kernels / "share" / "jupyter"))
-    nb = nbformat.read(course.COURSE / "source" / "00_setup" / "00_setup.ipynb", 4)
+    nb = nbformat.read(gradebook.COURSE / "source" / "00_setup" / "00_setup.ipynb", 4)
     work = tmp_path / "work"  # not the checkout: the kernel imports the installed package
     work.mkdir()
     NotebookClient(nb, timeout=300, kernel_name="hosted", resources={"metadata": {"path": str(work)}}).execute()
