@@ -11,13 +11,14 @@ it. Functions travel with cloudpickle, keeping the file names of the notebook ce
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import struct
 import sys
 import traceback
 import types
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +83,26 @@ class _Pickler(cloudpickle.CloudPickler):
       name travels beside the code and is put back on arrival;
     - tensors travel on the CPU and without autograd history (the kernel never touches CUDA; a non-leaf tensor
       cannot be pickled);
-    - module-like objects such as `torch.ops` travel by name (cloudpickle cannot copy them)."""
+    - module-like objects such as `torch.ops` travel by name (cloudpickle cannot copy them);
+    - a notebook's function decorated with `functools.cache` or `lru_cache` travels as its function, cached anew on
+      arrival (cloudpickle would look it up by name in the rank's `__main__`, where it is not)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType) and obj.co_filename != _KEPT:
             return _named_code, (obj.replace(co_filename=_KEPT), obj.co_filename)
+        if isinstance(obj, functools._lru_cache_wrapper) and obj.__module__ == "__main__":
+            parameters = obj.cache_parameters()
+            return _cached, (obj.__wrapped__, parameters["maxsize"], parameters["typed"])
         if isinstance(obj, torch.Tensor) and (obj.is_cuda or obj.grad_fn is not None):
             return obj.detach().cpu().__reduce_ex__(self.proto)
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
             return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
+
+
+def _cached(function: Callable, maxsize: int | None, typed: bool) -> Callable:
+    """`function` behind an empty cache of its own (see `_Pickler`)."""
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(function)
 
 
 def dumps(obj: Any, header: bytes = b"") -> bytes:

@@ -80,13 +80,15 @@ def run_test(source: str, names: Sequence[str], *, boundary: Boundary, helpers: 
     """Run a test cell's `source` for the exercises `names` across `boundary`; raise `TestFailed` if it fails."""
     try:
         found = boundary.begin(names)
+        kinds = {n: found[n]["kind"] for n in names}
     except RemoteError as e:
         raise TestFailed(_one_line(f"the notebook could not be asked for {_listed(names)}: {e.headline}")) from None
-    missing = [n for n in names if found[n]["kind"] == "missing"]
+    except (TypeError, KeyError, IndexError):
+        raise TestFailed(f"the notebook's kernel did not say what {_listed(names)} is: no test runs") from None
+    missing = [n for n in names if kinds[n] == "missing"]
     if missing:
         raise TestFailed(f"{_listed(missing)} is not defined: run the cell that defines it, then this one.")
-    handles = {n: found[n]["value"] if found[n]["kind"] == "value" else Exercise(n, boundary, found[n]["kind"])
-               for n in names}
+    handles = {n: found[n].get("value") if kinds[n] == "value" else Exercise(n, boundary, kinds[n]) for n in names}
     namespace = base_namespace(builtin_names) | helpers | handles
     try:
         with checks.using(boundary):

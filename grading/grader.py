@@ -81,6 +81,9 @@ class TestSession:
                               filename=f"<test of {' '.join(names)}>", builtin_names=self.builtins)
         except testcell.TestFailed as e:
             failure = e
+        except Exception as e:  # noqa: BLE001 - whatever a reply held, this test fails and the notebook goes on
+            failure = testcell.TestFailed(f"the test could not run on what the notebook replied: "
+                                          f"{type(e).__name__}: {e}"[:400])
         outputs = [nbformat.v4.new_output("stream", name="stdout", text="".join(self.shown))] if self.shown else []
         if failure is not None:
             outputs.append(test_failed(failure.reason, failure.frames))

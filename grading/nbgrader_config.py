@@ -45,3 +45,4 @@ c.Autograde.autograde_preprocessors = [
     CheckCellMetadata]
 # The feedback shows no hidden test, and what a submission displayed as HTML or JavaScript only as sanitized text.
 c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, SanitizeHTML, CSSHTMLHeaderPreprocessor]
+c.SanitizeHTML.enabled = True  # nbconvert's preprocessors are off until enabled
