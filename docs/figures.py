@@ -33,7 +33,7 @@ def trust_boundary() -> plt.Figure:
         "computes every expected value and compares",
         "reads the sandbox's loopback bytes from /proc",
         "writes the gradebook, the feedback, the report"], "#dbe9f6")
-    _box(ax, 1.66, 0.06, 1.0, 0.88, "the sandbox (bubblewrap): the student's code", [
+    _box(ax, 1.66, 0.06, 1.0, 0.88, "the sandbox (bubblewrap): student code", [
         "the kernel: the answers and every other cell",
         "drivers of %%test_helpers cells: call the exercise,",
         "    report what happened as plain data",
