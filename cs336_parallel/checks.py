@@ -283,7 +283,7 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
     return t.to(device)
 
 
-def _where(rank: int | None) -> str:
+def _where(rank: int | None = None) -> str:
     if rank is None and dist.is_initialized():
         rank = dist.get_rank()
     return f"rank {rank}: " if rank is not None else ""

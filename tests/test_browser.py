@@ -20,8 +20,8 @@ import pytest
 from conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get install chromium; `make test` tries)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get install chromium; `make test` tries)")]
 ARTIFACTS = ROOT / "test-artifacts"
 TOKEN = "cs336-browser-test"
 # Flags for a headless Chromium on a machine with no network beyond localhost.

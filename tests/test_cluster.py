@@ -310,7 +310,7 @@ def test_session_clusters_are_shared_by_size_and_backend():
     assert session_cluster(2, backend="gloo") is cpu
     if torch.cuda.device_count() < 2:  # "auto" means gloo here: the notebook's cluster serves the tests too
         assert session_cluster(2) is cpu
-    assert checks.run(2, dist.get_backend) == ["gloo", "gloo"]
+    assert checks.test_ranks(2).run(dist.get_backend) == ["gloo", "gloo"]  # the tests' own ranks: always gloo
     cpu.shutdown()
 
 

@@ -186,7 +186,7 @@ def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
     return runs
 
 
-@pytest.fixture(params=ASSIGNMENTS)
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
 def mutation_run(request, mutation_runs) -> MutationRun:
     return mutation_runs[request.param]
 
@@ -252,11 +252,13 @@ def defences(tmp_path_factory) -> tuple[Path, dict[str, list]]:
     return root, autograde(root, name, submissions)
 
 
+@pytest.mark.slow
 def test_edited_test_cells_earn_nothing(defences):
     _, scores = defences
     assert all(s.score == 0 for s in scores["edited"]), scores["edited"]
 
 
+@pytest.mark.slow
 def test_a_deleted_test_cell_earns_nothing_and_the_others_keep_their_points(defences):
     _, scores = defences
     by_cell = {s.cell: s for s in scores["deleted"]}
@@ -264,11 +266,13 @@ def test_a_deleted_test_cell_earns_nothing_and_the_others_keep_their_points(defe
     assert all(s.score == s.max_score for c, s in by_cell.items() if c != "test_shard_range_uneven")
 
 
+@pytest.mark.slow
 def test_a_displayed_number_is_no_partial_credit(defences):
     _, scores = defences
     assert all(s.score == 0 for s in scores["displayed"]), scores["displayed"]
 
 
+@pytest.mark.slow
 def test_code_that_reaches_into_the_kernel_costs_nothing_and_is_listed_for_review(defences):
     """The tests run in the grader: a correct answer beside machinery code keeps its points, and the report lists
     the cell for the instructor (scores.csv's review column, the student's reasons file)."""
@@ -281,6 +285,7 @@ def test_code_that_reaches_into_the_kernel_costs_nothing_and_is_listed_for_revie
                    if row["student"] != "machinery")
 
 
+@pytest.mark.slow
 def test_feedback_gives_each_reason_and_no_hidden_test(defences):
     root, scores = defences
     gradebook.feedback(["00_setup"], root)
@@ -293,6 +298,7 @@ def test_feedback_gives_each_reason_and_no_hidden_test(defences):
                 assert line.strip() not in html, line
 
 
+@pytest.mark.slow
 def test_the_instructor_workflow_collect_autograde_feedback_export(tmp_path, capsys):
     root, submissions = copy_course(tmp_path / "course", "00_setup"), tmp_path / "downloads"
     for student, source in [("ada", gradebook.COURSE / "source"), ("bo", ROOT / "notebooks")]:
@@ -310,6 +316,7 @@ def test_the_instructor_workflow_collect_autograde_feedback_export(tmp_path, cap
     assert by_student["ada"][-2:] == ["2.5", "2.5"] and by_student["bo"][-2:] == ["0.0", "2.5"]
 
 
+@pytest.mark.slow
 def test_a_learner_grades_their_own_notebook_after_the_first_exercise(tmp_path):
     """The first hour: the student version of 01 with only ring_reduce_scatter written, self-graded from the
     notebooks folder (where JupyterLab's terminal opens); each failure comes with its reason."""

@@ -31,7 +31,7 @@ LIMITS = runner.Limits(wall_s=180, memory_mb=2048, output_mb=5)
 # Where no memory cgroup can be written (not root, nothing delegated), nothing would stop the memory hog.
 MEMORY_LIMITED = cgroup.unavailable() is None
 CLASS = [s for s in attacks.STUDENTS if s != "meg_memory" or MEMORY_LIMITED]
-pytestmark = [pytest.mark.timeout(600),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(sandbox.bwrap() is None, reason="bubblewrap is not installed (make sandbox)")]
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import ROOT
-from cs336_parallel import checks, memory
+from cs336_parallel import checks, memory, session_cluster
 
 F32 = 4
 
@@ -119,7 +119,7 @@ def _all_gather_peak(numel: int) -> tuple[int, int]:
 
 
 def test_each_rank_measures_its_own_memory():
-    assert checks.run(2, _all_gather_peak, 1000) == [(2 * 1000 * F32, 0)] * 2
+    assert session_cluster(2, backend="gloo").run(_all_gather_peak, 1000) == [(2 * 1000 * F32, 0)] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -206,6 +206,7 @@ def test_the_hosted_install_asks_only_for_lower_bounds():
 HOST = ("torch==2.13.0", "ipykernel==6.29.5")  # what a hosted Jupyter has before the notebook's first cell
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_notebook_runs_on_a_host_after_the_hosted_install_which_keeps_the_hosts_torch_and_jupyter(tmp_path,
                                                                                                     monkeypatch):

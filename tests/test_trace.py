@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cs336_parallel import checks, trace
+from cs336_parallel import session_cluster, trace
 
 
 def _traced_step() -> list[dict]:
@@ -25,7 +25,7 @@ def _traced_step() -> list[dict]:
 
 
 def test_spans_name_forward_backward_and_each_collective_in_order():
-    for spans in checks.run(2, _traced_step):
+    for spans in session_cluster(2, backend="gloo").run(_traced_step):
         compute = [s["name"] for s in spans if s["lane"] == "compute"]
         comm = [s["name"] for s in spans if s["lane"] == "comm"]
         assert compute[0] == "forward" and "backward" in compute, compute

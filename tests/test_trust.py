@@ -21,7 +21,7 @@ from fixtures.cheats import CHEATS, HONEST, LEAKS, SCRIPT, Submission, notebook
 from grading import classroom, gradebook
 
 ASSIGNMENTS = ("00_setup", "01_collectives")
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

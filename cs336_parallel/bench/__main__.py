@@ -10,7 +10,6 @@ TOPICS = {
     "collectives": "algbw/busbw of the collectives; a ring all-reduce against the library's",
     "fsdp": "FSDP with prefetching against FSDP2 fully_shard on 2 CPU ranks: step time and peak memory per rank",
     "pipeline": "1F1B on 4 CPU ranks: measured bubble fraction against the simulator's",
-    "grading": "12 submissions autograded serially and with --jobs 2: ratio, notebooks per core-hour, projection",
     "ddp": "step time of naive, overlapped and bucketed DDP against torch's DistributedDataParallel; bucket sweep",
 }
 
