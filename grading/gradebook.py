@@ -168,6 +168,7 @@ def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[st
         generated, target = root / "release" / name / f"{name}.ipynb", into / f"{name}.ipynb"
         pristine = {generated.read_bytes() if generated.exists() else None, _committed(target)}
         check(grader.generate_assignment(name), f"generate {name}")
+        collapse_test_helpers(generated)
         if force or not target.exists() or target.read_bytes() in pristine | {generated.read_bytes()}:
             written.append(Path(shutil.copy(generated, target)))
         else:
@@ -175,6 +176,16 @@ def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[st
     if kept:
         raise LearnerChanges(kept, written, root)
     return written
+
+
+def collapse_test_helpers(path: Path) -> None:
+    """Release the read-only `%%test_helpers` cells collapsed (JupyterLab's `source_hidden`): an exercise's spec,
+    answer and tests sit together on screen, and a click shows the drivers and checks."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("%%test_helpers"):
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+    nbformat.write(nb, path)
 
 
 # -- scores, feedback, export ------------------------------------------------------------------------------------

@@ -93,6 +93,13 @@ def test_release_has_no_solution_hidden_test_or_output(released):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
 
 
+def test_release_collapses_the_test_helpers_so_spec_answer_and_tests_sit_together(released):
+    name, root = released
+    nb = nbformat.read(root / "notebooks" / f"{name}.ipynb", 4)
+    helpers = [c for c in nb.cells if c.source.startswith("%%test_helpers")]
+    assert helpers and all(c.metadata.get("jupyter", {}).get("source_hidden") for c in helpers)
+
+
 # -- how the masters are written ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ASSIGNMENTS)
