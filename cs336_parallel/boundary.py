@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from . import testranks
 from .errors import RankError, RankTimeout, format_frames
 from .protocol import Failure, Frame
 
@@ -324,8 +325,6 @@ class KernelSide:
 
     def handle(self, request: dict) -> dict:
         """The reply to `request` (its arguments already resolved), as plain data: {"ok": value} or {"error": info}."""
-        from . import checks
-
         kind = request["kind"]
         try:
             if kind == "begin":
@@ -336,10 +335,10 @@ class KernelSide:
                 return {"ok": [self.handle({"kind": "call", "fn": request["fn"], "args": tuple(args), "kwargs": {}})
                                for args in request["cases"]]}
             if kind == "ready":  # the ranks join their group now, not during the next request
-                checks.test_ranks(request["world_size"])
+                testranks.test_ranks(request["world_size"])
                 return {"ok": None}
             if kind == "run":
-                results = checks.run_on_test_ranks(request["world_size"], request["fn"], request["args"],
+                results = testranks.run_on_test_ranks(request["world_size"], request["fn"], request["args"],
                                                    request["kwargs"], request["timeout"])
                 return {"ok": [to_plain(r, name=f"the result of rank {i}") for i, r in enumerate(results)]}
             raise ValueError(f"unknown request {kind!r}")
@@ -349,8 +348,6 @@ class KernelSide:
             return {"error": describe(exc, self.is_cell)}
 
     def begin(self, names: Sequence[str]) -> dict[str, dict]:
-        from . import checks
-
         found = {}
         for name in names:
             obj = self.exercises.get(name, _MISSING)
@@ -362,7 +359,7 @@ class KernelSide:
                 found[name] = {"kind": "function"}
             else:
                 found[name] = {"kind": "value", "value": to_plain(obj, name=f"`{name}`")}
-        checks.fresh_ranks(tuple((n, id(self.exercises.get(n))) for n in names))
+        testranks.fresh_ranks(tuple((n, id(self.exercises.get(n))) for n in names))
         return found
 
     def serve(self, payload: str) -> str:

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .boundary import Boundary, RemoteError, unpack
-from .cluster import Cluster
 from .text import shorten
 from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
 
@@ -239,37 +238,6 @@ def _call_text(fn: Callable, args: tuple, kwargs: dict) -> str:
 
     shown = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
     return f"{getattr(fn, '__name__', 'check')}({', '.join(shown)})"
-
-
-# -- the kernel's side of `run`: its test clusters -----------------------------------------------------------------
-
-_test_clusters: dict[int, Cluster] = {}  # the test cells' own CPU clusters, by world size
-_tested: object = None  # what the test clusters' ranks last ran tests of
-
-
-def test_ranks(world_size: int) -> Cluster:
-    """The kernel's CPU cluster (gloo) of `world_size` ranks for tests, apart from the notebook's, so that a grade
-    does not depend on the machine's GPUs, nor on what the notebook's cells did to its ranks; started and joined."""
-    if world_size not in _test_clusters:
-        _test_clusters[world_size] = Cluster(world_size, backend="gloo")
-    return _test_clusters[world_size].start()
-
-
-def run_on_test_ranks(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
-    """The kernel's side of `run`: `fn` on the test ranks of that size."""
-    return test_ranks(world_size).call(fn, args, kwargs, timeout=timeout)
-
-
-def fresh_ranks(tested: object = None) -> None:
-    """Replace the ranks of every test cluster that has run something, unless they ran the tests of `tested`
-    (an exercise and its definition): a test begins with this, so it sees nothing that a test of another exercise,
-    or of another definition of this one, left on a rank."""
-    global _tested
-    if tested is None or tested != _tested:
-        for cluster in _test_clusters.values():
-            if cluster.has_run:
-                cluster.replace_ranks()
-    _tested = tested
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,

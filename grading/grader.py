@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import builtins
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import nbformat
 from nbformat.notebooknode import NotebookNode
@@ -28,11 +28,18 @@ from cs336_parallel.boundary import RESULT_MIME, Boundary, RemoteError, decode, 
 from cs336_parallel.checks import TEST_TIMEOUT_S
 from cs336_parallel.text import red_headline
 
-if TYPE_CHECKING:
-    from grading.runner import LimitedExecute
-
 MAX_STUDENT_OUTPUT = 10_000  # characters of what the student's code prints during one test, kept in its output
 REQUEST_MARGIN_S = 60.0  # a request may take its own timeout plus this (ranks restart, results travel)
+
+
+class Kernel(Protocol):
+    """What the tests need of the executor running the submission (grading/runner.py's LimitedExecute)."""
+
+    def run_request(self, code: str, timeout: float) -> list[NotebookNode]:
+        """Run `code` in the kernel outside the notebook; its outputs."""
+
+    def loopback_bytes(self) -> int | None:
+        """Bytes sent so far on the sandbox's loopback interface (None without a sandbox)."""
 
 
 def test_header(source: str) -> list[str] | None:
@@ -46,7 +53,7 @@ class TestSession:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, master: Path, executor: LimitedExecute):
+    def __init__(self, master: Path, executor: Kernel):
         nb = nbformat.read(master, as_version=4)
         self.tests = {c.source for c in nb.cells if c.cell_type == "code" and test_header(c.source)}
         self.helper_cells = {c.source for c in nb.cells if c.source.startswith("%%test_helpers")}
@@ -120,7 +127,7 @@ class KernelBoundary(Boundary):
     """Requests from the grader's test cells to the submission's kernel, as `%cs336_call` cells run by the executor
     outside the notebook (nothing of them is saved); replies are read with `boundary.decode`."""
 
-    def __init__(self, executor: LimitedExecute, session: TestSession):
+    def __init__(self, executor: Kernel, session: TestSession):
         self.executor, self.session = executor, session
 
     def begin(self, names):

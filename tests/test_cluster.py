@@ -304,13 +304,13 @@ def test_core_modules_import_with_torch_and_cloudpickle_alone():
 
 
 def test_session_clusters_are_shared_by_size_and_backend():
-    from cs336_parallel import checks, session_cluster
+    from cs336_parallel import session_cluster, testranks
 
     cpu = session_cluster(2, backend="gloo")
     assert session_cluster(2, backend="gloo") is cpu
     if torch.cuda.device_count() < 2:  # "auto" means gloo here: the notebook's cluster serves the tests too
         assert session_cluster(2) is cpu
-    assert checks.test_ranks(2).run(dist.get_backend) == ["gloo", "gloo"]  # the tests' own ranks: always gloo
+    assert testranks.test_ranks(2).run(dist.get_backend) == ["gloo", "gloo"]  # the tests' own ranks: always gloo
     cpu.shutdown()
 
 
