@@ -424,42 +424,44 @@ def collective_counts(comm: CommCounter) -> dict[str, int]:
     return dict(merged)
 
 
-def assert_shards_close(parallel: torch.nn.Module, reference: torch.nn.Module, *, group=None,
+def assert_shards_close(shards: list[dict], reference: torch.nn.Module, *, ranks: Iterable[int] | None = None,
                         sum_replicated_grads: bool = False, rtol: float = 1e-5, atol: float = 1e-5) -> None:
-    """Each parameter of `parallel` is this rank's shard of `reference`'s parameter of the same name: the
-    whole of it where the shapes agree, else slice `rank` of `size` equal slices along the one dimension
-    where they differ (rank and size in `group`). Values must be equal; gradients close (rtol, atol).
+    """On the test's side: the ranks of one group hold their shards of `reference`, after the same backward.
 
-    With `sum_replicated_grads`, the gradients of whole (replicated) parameters are summed over `group`
-    first: under sequence parallelism each rank's copy saw only its own part of the sequence."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine, theirs = dict(parallel.named_parameters()), dict(reference.named_parameters())
-    if set(mine) != set(theirs):
-        raise AssertionError(f"{_where()}parameter names differ from the reference's: missing "
-                             f"{sorted(set(theirs) - set(mine))}, unexpected {sorted(set(mine) - set(theirs))}")
-    for name, p in mine.items():
-        ref = theirs[name]
-        split = [d for d in range(ref.dim()) if p.dim() == ref.dim() and p.shape[d] != ref.shape[d]]
-        if p.dim() != ref.dim() or len(split) > 1 or (split and ref.shape[split[0]] != size * p.shape[split[0]]):
-            raise AssertionError(f"{_where()}{name} has shape {tuple(p.shape)}: not the whole of the reference's "
-                                 f"{tuple(ref.shape)} nor 1/{size} of it along one dimension")
-        expected, expected_grad, grad = ref.detach(), ref.grad, p.grad
-        if split:
-            expected, expected_grad = expected.chunk(size, split[0])[rank], ref.grad.chunk(size, split[0])[rank]
-        elif sum_replicated_grads and grad is not None:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-        assert_equal(p.detach(), expected, name=name)
-        if grad is None:
-            raise AssertionError(f"{_where()}{name} has no gradient")
-        assert_close(grad, expected_grad, name=f"{name}.grad", rtol=rtol, atol=atol)
+    `shards[i]` is what the group's i-th rank reported of its module, each parameter by name:
+    `{name: {"value": tensor, "grad": tensor or None}}`. Each must be that rank's shard of `reference`'s parameter
+    of the same name: the whole of it where the shapes agree, else slice i of `len(shards)` equal slices along the
+    one dimension where they differ. Values must be equal; gradients close (rtol, atol).
 
-
-def in_groups_of(size: int, check: Callable, *args, **kwargs):
-    """Run `check(*args, group=g, **kwargs)` where g is this rank's group of `size` consecutive ranks: a test
-    that a function honours its `group` argument instead of using the whole world."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    if n % size:
-        raise ValueError(f"{n} ranks do not split into groups of {size}")
-    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, n, size)]  # all ranks make all
-    return check(*args, **kwargs, group=groups[rank // size])
+    With `sum_replicated_grads`, the gradients of whole (replicated) parameters are summed over the group first:
+    under sequence parallelism each rank's copy saw only its own part of the sequence. `ranks` are the ranks'
+    numbers for the messages (default 0, 1, ...)."""
+    size, expected = len(shards), dict(reference.named_parameters())
+    ranks = list(range(size)) if ranks is None else list(ranks)
+    for rank, mine in zip(ranks, shards, strict=True):
+        if not isinstance(mine, dict) or set(mine) != set(expected):
+            names = sorted(mine) if isinstance(mine, dict) else type(mine).__name__
+            raise AssertionError(f"{_where(rank)}the parameters are named {names}, the reference's "
+                                 f"{sorted(expected)}")
+    for name, ref in expected.items():
+        replicated = []  # the gradients of a whole parameter, rank by rank
+        for i, (rank, mine) in enumerate(zip(ranks, shards, strict=True)):
+            value, grad = mine[name]["value"], mine[name]["grad"]
+            dims = [d for d in range(ref.dim()) if value.dim() == ref.dim() and value.shape[d] != ref.shape[d]]
+            sliced = len(dims) == 1 and ref.shape[dims[0]] == size * value.shape[dims[0]]
+            if value.dim() != ref.dim() or (dims and not sliced):
+                raise AssertionError(f"{_where(rank)}{name} has shape {tuple(value.shape)}: not the whole of the "
+                                     f"reference's {tuple(ref.shape)} nor 1/{size} of it along one dimension")
+            expected_value, expected_grad = ref.detach(), ref.grad
+            if dims:  # this rank's slice
+                expected_value, expected_grad = (t.chunk(size, dims[0])[i] for t in (expected_value, expected_grad))
+            assert_equal(value, expected_value, name=name, rank=rank)
+            if grad is None:
+                raise AssertionError(f"{_where(rank)}{name} has no gradient")
+            if dims or not sum_replicated_grads:
+                assert_close(grad, expected_grad, name=f"{name}.grad", rank=rank, rtol=rtol, atol=atol)
+            else:
+                replicated.append(grad)
+        if replicated:
+            assert_close(sum(replicated), ref.grad, name=f"{name}.grad summed over ranks {ranks}", rtol=rtol,
+                         atol=atol)

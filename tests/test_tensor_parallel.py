@@ -1,5 +1,5 @@
-"""Notebook 04's helpers: the checks that compare a tensor-parallel module's shards with the unsplit module,
-the merged collective counts, and the pictures."""
+"""Notebook 04's helpers: the check that compares the shards a tensor-parallel module's ranks report with the
+unsplit module, the merged collective counts, and the pictures."""
 
 from __future__ import annotations
 
@@ -9,44 +9,60 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_parallel import checks, session_cluster, viz
+from cs336_parallel import Cluster, checks, viz
 
 
-def _column_shards(shift: int, sum_replicated_grads: bool) -> None:
-    """A column split of nn.Linear (rank r holds rows r of 2), its gradients from the same loss; `shift`
-    takes another rank's rows instead, which assert_shards_close must catch."""
-    n, r = dist.get_world_size(), dist.get_rank()
+def shards_of(reference: nn.Linear, size: int, *, shift: int = 0) -> list[dict]:
+    """What the ranks of a column split of `reference` report (rank r holds rows r of `size`; `shift` takes another
+    rank's rows instead), after the same loss as the reference's."""
+    x = torch.randn(3, reference.in_features, generator=torch.Generator().manual_seed(1))
+    reference(x).sum().backward()
+    result = []
+    for r in range(size):
+        part = nn.Linear(reference.in_features, reference.out_features // size)
+        with torch.no_grad():
+            part.weight.copy_(reference.weight.chunk(size, 0)[(r + shift) % size])
+            part.bias.copy_(reference.bias.chunk(size, 0)[(r + shift) % size])
+        part(x).sum().backward()
+        result.append({name: {"value": p.detach(), "grad": p.grad} for name, p in part.named_parameters()})
+    return result
+
+
+def test_assert_shards_close_accepts_the_right_slices_and_names_a_wrong_one():
     torch.manual_seed(0)
     reference = nn.Linear(4, 6)
-    part = nn.Linear(4, 6 // n)
-    mine = (r + shift) % n
-    with torch.no_grad():
-        part.weight.copy_(reference.weight.chunk(n, 0)[mine])
-        part.bias.copy_(reference.bias.chunk(n, 0)[mine])
-    x = torch.randn(3, 4)
-    reference(x).sum().backward()
-    part(x).sum().backward()
-    checks.assert_shards_close(part, reference, sum_replicated_grads=sum_replicated_grads)
+    checks.assert_shards_close(shards_of(reference, 2), reference)
+    reference.zero_grad()
+    with pytest.raises(AssertionError, match="rank 2: weight differs"):
+        checks.assert_shards_close(shards_of(reference, 2, shift=1), reference, ranks=[2, 3])
 
 
-def _replicated_partial_grads() -> None:
+def test_replicated_gradients_are_summed_over_the_group_when_asked():
     """A whole parameter whose gradient each rank computed on its half of the batch: the sum is right."""
-    n, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     reference = nn.Linear(4, 2)
-    part = nn.Linear(4, 2)
-    part.load_state_dict(reference.state_dict())
     x = torch.randn(4, 4)
     reference(x).sum().backward()
-    part(x.chunk(n, 0)[r]).sum().backward()
-    checks.assert_shards_close(part, reference, sum_replicated_grads=True)
-    checks.assert_raises(AssertionError, checks.assert_shards_close, part, reference)  # not summed: partial
+    shards = []
+    for half in x.chunk(2):
+        part = nn.Linear(4, 2)
+        part.load_state_dict(reference.state_dict())
+        part(half).sum().backward()
+        shards.append({name: {"value": p.detach(), "grad": p.grad} for name, p in part.named_parameters()})
+    checks.assert_shards_close(shards, reference, sum_replicated_grads=True)
+    with pytest.raises(AssertionError, match="weight.grad differs"):  # not summed: partial
+        checks.assert_shards_close(shards, reference)
 
 
-def _renamed() -> None:
-    reference = nn.Sequential(nn.Linear(2, 2))
-    checks.assert_raises(AssertionError, checks.assert_shards_close, nn.Sequential(nn.Identity(), nn.Linear(2, 2)),
-                         reference)
+def test_parameter_names_and_shapes_must_match_the_reference():
+    reference = nn.Sequential(nn.Linear(2, 4))
+    renamed = nn.Sequential(nn.Identity(), nn.Linear(2, 4))
+    with pytest.raises(AssertionError, match="rank 0: the parameters are named"):
+        checks.assert_shards_close([{n: {"value": p.detach(), "grad": None} for n, p in renamed.named_parameters()}],
+                                   reference)
+    third = {n: {"value": p.detach()[:1], "grad": None} for n, p in reference.named_parameters()}
+    with pytest.raises(AssertionError, match=r"0.weight has shape \(1, 2\): not the whole"):
+        checks.assert_shards_close([third, third], reference)
 
 
 def _counts() -> dict:
@@ -60,26 +76,9 @@ def _counts() -> dict:
     return checks.collective_counts(comm)
 
 
-def on_two_ranks(fn, *args) -> list:
-    return session_cluster(2, backend="gloo").run(fn, *args)
-
-
-def test_assert_shards_close_accepts_the_right_slices_and_names_a_wrong_one():
-    assert on_two_ranks(_column_shards, 0, False) == [None, None]
-    with pytest.raises(Exception, match="weight differs"):
-        on_two_ranks(_column_shards, 1, False)
-
-
-def test_replicated_gradients_are_summed_over_the_group_when_asked():
-    assert on_two_ranks(_replicated_partial_grads) == [None, None]
-
-
-def test_parameter_names_must_match_the_reference():
-    assert on_two_ranks(_renamed) == [None, None]
-
-
 def test_collective_counts_merge_the_forms_of_a_collective():
-    assert on_two_ranks(_counts)[0] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+    with Cluster(2, backend="gloo", timeout=60) as cluster:
+        assert cluster.run(_counts)[0] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
 
 
 @pytest.mark.parametrize("make, plot", [
