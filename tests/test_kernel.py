@@ -228,3 +228,22 @@ def test_no_process_outlives_the_kernel(kernel, how):
     else:
         os.kill(kernel.km.provisioner.process.pid, signal.SIGKILL)
     assert wait_gone(pids) == []
+
+
+def test_a_test_cell_runs_its_checks_in_the_notebook_and_refuses_to_while_graded():
+    """The learner's loop: `%%test` runs the visible checks here (the exercise across the same boundary as in
+    grading), fails with one line, and refuses to run at all in a kernel that nbgrader's executor is grading."""
+    outputs = run_notebook([
+        "%load_ext cs336_parallel",
+        "def double(x):\n    return 2 * x",
+        "%%test_helpers\ndef doubled_on_ranks(double, x):\n    return double(x + dist.get_rank())",
+        "%%test double\nassert double(3) == 6, 'double(3) should be 6'\n"
+        "assert checks.run(2, doubled_on_ranks, double, 1) == [2, 4], 'on two ranks'\nprint('ok')",
+        "def double(x):\n    return x + 2",
+        "%%test double\nassert double(3) == 6, 'double(3) should be 6'",
+        "import os\nos.environ['NBGRADER_EXECUTION'] = 'autograde'",
+        "%%test double\nprint('never')",
+    ])
+    assert text(outputs[3]) == "ok\n", outputs[3]
+    assert error(outputs[5])["text"].splitlines()[0] == "TestFailed: double(3) should be 6"
+    assert "tests run in the grader's own process" in error(outputs[7])["text"] and not text(outputs[7])
