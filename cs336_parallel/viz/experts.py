@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from .collectives import RANK_COLORS
 
@@ -131,8 +131,8 @@ _SPAN_STYLE = {"launch": {"color": "#BBBBBB"}, "work": {"color": "#8C8C8C"},
 def host_timeline(timelines: Mapping[str, Sequence[Mapping]], *, unit: str = "time units") -> Figure:
     """Each timeline (label -> spans) as two lanes, the CPU above the GPU: spans are dicts with "lane" ("CPU" or
     "GPU"), "kind" ("launch", "work", "wait" or "kernel"), "name", "start" and "end". Kernels are coloured in the
-    order they run; a hatched CPU span is the host waiting for the GPU; a white gap on the GPU lane is the GPU
-    waiting for the CPU. The GPU's idle share is in each timeline's title."""
+    order they first run (a legend names them); a hatched CPU span is the host waiting for the GPU; a white gap on
+    the GPU lane is the GPU waiting for the CPU. The GPU's idle share is in each timeline's title."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.55 * len(timelines) + 0.5), sharex=True,
                              squeeze=False)
     names = list(dict.fromkeys(s["name"] for spans in timelines.values() for s in spans if s["kind"] == "kernel"))
@@ -151,5 +151,7 @@ def host_timeline(timelines: Mapping[str, Sequence[Mapping]], *, unit: str = "ti
         ax.set_title(f"{label}: the GPU idles {1 - busy / end:.0%} of {end:g} {unit}", fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=_color(i), label=name) for i, name in enumerate(names)], loc="lower center",
+               ncol=len(names), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
