@@ -53,6 +53,7 @@ def young_daly(write_s: float, job_mtbf_h: Mapping[str, float], *, restart_s: fl
     Daly 2006), marked on each curve."""
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     taus_s = [write_s * 1.5 * (1e4 / 1.5) ** (i / 200) for i in range(201)]
+    lowests = []
     for i, (label, hours) in enumerate(job_mtbf_h.items()):
         m = hours * 3600
         waste = [100 * (write_s / t + (t / 2 + restart_s) / m) for t in taus_s]
@@ -60,11 +61,12 @@ def young_daly(write_s: float, job_mtbf_h: Mapping[str, float], *, restart_s: fl
         ax.plot([t / 60 for t in taus_s], waste, color=color, label=f"{label} (MTBF {hours:.3g} h)")
         best = math.sqrt(2 * write_s * m)
         lowest = 100 * (write_s / best + (best / 2 + restart_s) / m)
+        lowests.append(lowest)
         ax.scatter([best / 60], [lowest], color=color, zorder=3)
-        ax.annotate(f"{best / 60:.0f} min, {lowest:.1f}%", (best / 60, lowest), textcoords="offset points",
+        ax.annotate(f"{best / 60:.2g} min, {lowest:.1f}%", (best / 60, lowest), textcoords="offset points",
                     xytext=(0, 6), ha="center", fontsize=8, color=color)
     ax.set_xscale("log")
-    ax.set_ylim(0, 40)
+    ax.set_ylim(0, min(40, 5 * max(lowests)))  # the minima, and enough of the curves to see them rise
     ax.set_xlabel("checkpoint interval τ (minutes, log scale)")
     ax.set_ylabel("time lost (% of the run)")
     ax.set_title(f"writing a checkpoint takes {write_s:g} s; dots: τ = √(2 · write time · MTBF)", fontsize=10)

@@ -1,5 +1,6 @@
 """Pictures of mixture-of-experts routing: tokens moving between ranks in an all-to-all with uneven
-splits, the drop rate against the capacity factor, and per-expert load over training steps."""
+splits, the drop rate against the capacity factor, per-expert load over training steps, and the CPU and GPU
+of a step on one time axis (where the host waits)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from .collectives import RANK_COLORS
 
@@ -120,4 +121,37 @@ def load_histograms(loads: Mapping[str, Sequence[Sequence[float]]], steps: Seque
             if i == len(runs) - 1:
                 ax.set_xlabel("expert", fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+_SPAN_STYLE = {"launch": {"color": "#BBBBBB"}, "work": {"color": "#8C8C8C"},
+               "wait": {"color": "#F4C7C3", "hatch": "///", "edgecolor": "#C44E52"}}
+
+
+def host_timeline(timelines: Mapping[str, Sequence[Mapping]], *, unit: str = "time units") -> Figure:
+    """Each timeline (label -> spans) as two lanes, the CPU above the GPU: spans are dicts with "lane" ("CPU" or
+    "GPU"), "kind" ("launch", "work", "wait" or "kernel"), "name", "start" and "end". Kernels are coloured in the
+    order they first run (a legend names them); a hatched CPU span is the host waiting for the GPU; a white gap on
+    the GPU lane is the GPU waiting for the CPU. The GPU's idle share is in each timeline's title."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.55 * len(timelines) + 0.5), sharex=True,
+                             squeeze=False)
+    names = list(dict.fromkeys(s["name"] for spans in timelines.values() for s in spans if s["kind"] == "kernel"))
+    for ax, (label, spans) in zip(axes[:, 0], timelines.items(), strict=True):
+        end = max(s["end"] for s in spans)
+        busy = sum(s["end"] - s["start"] for s in spans if s["kind"] == "kernel")
+        for s in spans:
+            y = 1 if s["lane"] == "CPU" else 0
+            style = _SPAN_STYLE.get(s["kind"], {"color": _color(names.index(s["name"]) if s["name"] in names else 0)})
+            ax.broken_barh([(s["start"], s["end"] - s["start"])], (y - 0.35, 0.7), linewidth=0.6,
+                           **{"edgecolor": "white", **style})
+            if s["kind"] in ("kernel", "wait") and s["end"] - s["start"] >= 1.5:
+                ax.text((s["start"] + s["end"]) / 2, y, s["name"], ha="center", va="center", fontsize=7)
+        ax.set_yticks([0, 1], ["GPU", "CPU"])
+        ax.set_ylim(-0.6, 1.6)
+        ax.set_title(f"{label}: the GPU idles {1 - busy / end:.0%} of {end:g} {unit}", fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel(f"time ({unit})")
+    fig.legend(handles=[Patch(color=_color(i), label=name) for i, name in enumerate(names)], loc="lower center",
+               ncol=len(names), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
