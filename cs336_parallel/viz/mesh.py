@@ -119,9 +119,9 @@ def plan_breakdown(plans: Mapping[str, object], *, title: str = "", unjudged: Co
     mem_ax.set_title("memory per GPU", fontsize=10)
 
     timed = {name: p.fits or name in unjudged for name, p in plans.items()}
-    fitting = [p for name, p in plans.items() if timed[name]] or list(plans.values())
-    time_max = max(p.step_s for p in fitting)
-    used = {key for p in fitting for key, value in p.comm_s.items() if value > 0}
+    drawn = [p for name, p in plans.items() if timed[name]] or list(plans.values())
+    time_max = max(p.step_s for p in drawn)
+    used = {key for p in drawn for key, value in p.comm_s.items() if value > 0}
     for i, (name, plan) in enumerate(plans.items()):
         if not timed[name]:
             time_ax.text(0, i, "  does not fit", va="center", fontsize=8, color="#C44E52")
