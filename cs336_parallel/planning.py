@@ -1,8 +1,9 @@
 """The records of notebook 07's planner: a model, a cluster and a layout (the question), and a plan (the answer).
 
-They hold data and check it; they plan nothing (`plan_parallelism` is the notebook's exercise). They live in the
-package so that a plan is a value a test can trust: `checks.plain` rebuilds the package's dataclasses from their
-fields, so a plan's `fits`, `step_s` and `mfu` are always these properties, computed from its numbers.
+They hold data and check it; they plan nothing (the notebook's exercises do). They live in the package so that a
+plan is a value a test can trust: the grader rebuilds the package's dataclasses from their fields
+(`boundary.from_plain`), so a plan's `fits`, `step_s` and `mfu` are always these properties, computed from its
+numbers. The cost formulas 07 shares with notebook 09 are in `costs`.
 
 Defaults are datasheet figures, each with its source: the H100 SXM datasheet (989 dense BF16 TFLOP/s, 80 GB,
 NVLink 4 at 900 GB/s per GPU counting both directions, so 450 GB/s each way) and a 400 Gb/s (50 GB/s) network
@@ -13,6 +14,8 @@ peak the compute reaches are assumptions, and named so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .costs import SCHEDULES
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -25,6 +28,8 @@ class Precision:
     grad: int = 2  # BF16 gradients
     optimizer: int = 12  # Adam in mixed precision: an fp32 copy of the weights, momentum and variance
     activation: int = 2  # BF16 activations
+    dispatch: float = 2  # per element an expert-parallel all-to-all sends toward the experts (DeepSeek-V3: FP8, 1)
+    combine: float = 2  # per element it sends back from them (DeepSeek-V3: BF16, 2)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class ModelSpec:
     expert_params: float = 0  # Ψₑ: parameters in routed experts, all layers, all experts (part of Ψ)
     active_params: float | None = None  # parameters each token uses; None: all of them
     top_k: int = 1  # experts per token
+    max_nodes_per_token: int | None = None  # node-limited routing: at most this many nodes per token (None: no limit)
 
     def __post_init__(self):
         for name in ("num_params", "num_layers", "hidden", "heads", "seq_len", "num_experts", "top_k"):
@@ -52,6 +58,8 @@ class ModelSpec:
         if not 0 <= self.expert_params <= self.num_params:
             raise ValueError(f"expert_params must be in 0..num_params ({self.num_params:g}), "
                              f"got {self.expert_params:g}")
+        if self.max_nodes_per_token is not None and self.max_nodes_per_token < 1:
+            raise ValueError(f"max_nodes_per_token must be >= 1 or None, got {self.max_nodes_per_token}")
         if (self.num_experts > 1) != (self.expert_params > 0):
             raise ValueError(f"num_experts = {self.num_experts} and expert_params = {self.expert_params:g}: "
                              "an MoE model has both above their dense values (1 and 0), a dense model neither")
@@ -88,17 +96,20 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one training step is split: the parallel degrees, ZeRO, batching, recomputation, precision."""
+    """How one training step is split: the parallel degrees, ZeRO, batching, pipeline schedule, recomputation,
+    precision. The mesh's axes, innermost first: tp, cp, ep, pp, then the rest of dp (expert parallelism is carved
+    out of data parallelism, as in Megatron-Core and DeepSeek-V3)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1  # expert parallelism: carved out of dp x cp, which it must divide
+    ep: int = 1  # expert parallelism: carved out of dp, which it must divide
     zero_stage: int = 0  # 1: optimizer state sharded; 2: and gradients; 3: and weights
     micro_batch: int = 1  # sequences per micro-batch, b
     num_microbatches: int = 1  # per optimizer step on each pipeline, m (gradient accumulation when pp = 1)
     virtual_stages: int = 1  # chunks per pipeline stage, v (interleaved 1F1B)
+    schedule: str = "1f1b"  # "1f1b" (interleaved when virtual_stages > 1) or "dualpipe" (DeepSeek-V3)
     recompute: str = "selective"  # "none", "selective" (attention scores: what FlashAttention does), "full"
     precision: Precision = field(default_factory=Precision)
     tp_across_nodes: bool = False
@@ -112,6 +123,14 @@ class Layout:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "dualpipe":
+            p, m = self.pp, self.num_microbatches
+            if self.virtual_stages != 1 or p < 2 or p % 2 or m % 2 or m < 2 * p:
+                raise ValueError(f"DualPipe needs virtual_stages = 1, an even pp >= 2 and an even num_microbatches "
+                                 f">= 2 pp, got virtual_stages = {self.virtual_stages}, pp = {p}, "
+                                 f"num_microbatches = {m}")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,11 @@ def test_plan_breakdown_stacks_memory_and_time_with_units():
     assert legend == ["compute", "bubble", "tp communication (exposed)", "pp communication (exposed)"]
     assert memory_ax.get_xlim()[1] < 1000  # the plan that does not fit is clipped, not squashing the others
     plt.close(fig)
+    unjudged = viz.plan_breakdown({"fits": fake_plan(), "unknown": fake_plan(fits=False, total_gb=90)},
+                                  unjudged=["unknown"])
+    texts = [t.get_text() for ax in unjudged.axes for t in ax.texts]
+    assert "90.0 GB, not judged" in texts and texts.count("6.60 s, MFU 40%") == 2  # and its time is drawn
+    plt.close(unjudged)
 
 
 def test_best_layout_heatmap_names_the_layout_or_says_nothing_fits():

@@ -4,7 +4,7 @@ layout's memory and step time broken down, and the best layout per model size an
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -90,10 +90,11 @@ def mesh_diagram(mesh_shape: Mapping[str, int], groups: Mapping[str, Sequence[Se
     return fig
 
 
-def plan_breakdown(plans: Mapping[str, object], *, title: str = "") -> Figure:
+def plan_breakdown(plans: Mapping[str, object], *, title: str = "", unjudged: Collection[str] = ()) -> Figure:
     """Memory per GPU (GB, stacked: parameters, gradients, optimizer state, activations, against the GPU's
     memory) and step time (s, stacked: compute, bubble, exposed communication per mesh axis) of each plan;
-    a plan that does not fit gets no time.
+    a plan that does not fit gets no time. The plans named in `unjudged` get no verdict on their memory (the
+    planner's model does not describe them well enough), and their time.
 
     A plan has `params_bytes`, `grads_bytes`, `optimizer_bytes`, `activations_bytes`, `memory_limit_bytes`,
     `compute_s`, `bubble_s`, `comm_s` (a dict by axis), `step_s`, `mfu` and `fits`."""
@@ -102,14 +103,14 @@ def plan_breakdown(plans: Mapping[str, object], *, title: str = "") -> Figure:
     limit = max(p.memory_limit_bytes for p in plans.values()) / 1e9
     totals = [sum(getattr(p, key) for key, *_ in MEMORY_PARTS) / 1e9 for p in plans.values()]
     clip = min(max(totals + [limit]) * 1.05, 2.5 * limit)  # a plan far over the limit runs off the chart
-    for i, plan in enumerate(plans.values()):
+    for i, (name, plan) in enumerate(plans.items()):
         left = 0.0
         for key, label, color in MEMORY_PARTS:
             value = getattr(plan, key) / 1e9
             shown = min(left + value, clip) - min(left, clip)
             mem_ax.barh(i, shown, left=min(left, clip), color=color, label=label if i == 0 else None)
             left += value
-        verdict = "fits" if plan.fits else "does not fit"
+        verdict = "not judged" if name in unjudged else "fits" if plan.fits else "does not fit"
         clipped = " (clipped)" if left > clip else ""
         mem_ax.text(min(left, clip) + clip * 0.01, i, f"{left:,.1f} GB, {verdict}{clipped}", va="center", fontsize=8)
     mem_ax.axvline(limit, color="#333333", linestyle="--", linewidth=1, label=f"{limit:g} GB per GPU")
@@ -117,11 +118,12 @@ def plan_breakdown(plans: Mapping[str, object], *, title: str = "") -> Figure:
     mem_ax.set_xlabel("memory per GPU (GB)")
     mem_ax.set_title("memory per GPU", fontsize=10)
 
-    fitting = [p for p in plans.values() if p.fits] or list(plans.values())
-    time_max = max(p.step_s for p in fitting)
-    used = {key for p in fitting for key, value in p.comm_s.items() if value > 0}
-    for i, plan in enumerate(plans.values()):
-        if not plan.fits:
+    timed = {name: p.fits or name in unjudged for name, p in plans.items()}
+    drawn = [p for name, p in plans.items() if timed[name]] or list(plans.values())
+    time_max = max(p.step_s for p in drawn)
+    used = {key for p in drawn for key, value in p.comm_s.items() if value > 0}
+    for i, (name, plan) in enumerate(plans.items()):
+        if not timed[name]:
             time_ax.text(0, i, "  does not fit", va="center", fontsize=8, color="#C44E52")
             continue
         parts = {"compute": plan.compute_s, "bubble": plan.bubble_s,

@@ -1,0 +1,166 @@
+"""Megatron's tensor-parallel regions: collectives inside autograd, each with its conjugate in backward.
+
+Notebook 04 introduces them; notebook 07 composes layers from them on a device mesh. The process group is an
+argument, never a global (None: the default group):
+
+| operator | forward | backward |
+|---|---|---|
+| `copy_to_tp_region` (f) | identity | all-reduce |
+| `reduce_from_tp_region` (g) | all-reduce | identity |
+| `gather_from_tp_region` | all-gather, last dim | keep my slice |
+| `scatter_to_tp_region` | keep my slice, last dim | all-gather |
+| `gather_from_sequence_parallel_region` | all-gather, dim 1 | reduce-scatter |
+| `reduce_scatter_to_sequence_parallel_region` | reduce-scatter, dim 1 | all-gather |
+
+(Shoeybi et al. 2019, "Megatron-LM", section 3; Korthikanti et al. 2022 for the sequence-parallel pair.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity in forward; the gradient is summed over `group` (all-reduce) in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)  # the same values, as a new node autograd can attach the backward to
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce into autograd's tensor
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None  # one slot per forward input
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: sum over `group` (all-reduce) in forward; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)  # never reduce into the caller's tensor
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def copy_to_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """f (Megatron): identity in forward, all-reduce of the gradient in backward."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """g (Megatron): all-reduce in forward, identity in backward."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def _all_gather(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Every rank's `x`, concatenated along `dim` in rank order."""
+    n = dist.get_world_size(group)
+    flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(flat, x.reshape(-1), group=group)  # rank r's piece at [r * numel, (r+1) * numel)
+    return torch.cat(flat.view(n, *x.shape).unbind(0), dim=dim)
+
+
+def _my_slice(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """This rank's contiguous 1/n of `x` along `dim`."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"size {x.shape[dim]} of dim {dim} must be divisible by the group size {n}")
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """The sum over ranks of `x`, of which this rank keeps its 1/n along `dim`."""
+    n = dist.get_world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"size {x.shape[dim]} of dim {dim} must be divisible by the group size {n}")
+    pieces = torch.stack(x.chunk(n, dim=dim))  # (n, ...): piece r goes to rank r
+    out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out.view(-1), pieces.view(-1), group=group)
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim` in forward; backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _my_slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Keep this rank's slice along `dim` in forward; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _my_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    """All-gather along `dim` in forward; reduce-scatter the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterGather(torch.autograd.Function):
+    """Reduce-scatter along `dim` in forward; all-gather the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def gather_from_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """(..., d/n) on each rank -> (..., d) on every rank; backward keeps my slice."""
+    return _Gather.apply(x, -1, group)
+
+
+def scatter_to_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """(..., d) -> my (..., d/n); backward all-gathers."""
+    return _Scatter.apply(x, -1, group)
+
+
+def gather_from_sequence_parallel_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """(B, T/n, D) sequence shards -> (B, T, D) on every rank; backward reduce-scatters."""
+    return _GatherReduceScatter.apply(x, 1, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """(B, T, D) partial sums -> my (B, T/n, D) block of their sum; backward all-gathers."""
+    return _ReduceScatterGather.apply(x, 1, group)
+
+
+def shard(t: Tensor, dim: int, group: ProcessGroup | None = None) -> Tensor:
+    """A copy of this rank's contiguous 1/n of `t` along `dim` (n = the size of `group`)."""
+    return _my_slice(t.detach(), dim, group).clone()
