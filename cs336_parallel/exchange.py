@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """All-to-all of rows with uneven splits; backward sends every gradient row back where its row came from."""
 
     @staticmethod
@@ -27,11 +27,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         output_splits, input_splits = ctx.splits
-        return _AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None  # the routes, reversed
+        return AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None  # the routes, reversed
 
 
 def all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int],
                group: ProcessGroup | None = None) -> Tensor:
     """Send input_splits[r] rows (in order) to rank r of `group`; receive output_splits[r] rows from rank r,
     concatenated in rank order. Differentiable."""
-    return _AllToAll.apply(rows, output_splits, input_splits, group)
+    return AllToAll.apply(rows, output_splits, input_splits, group)

@@ -25,14 +25,14 @@ from .errors import unfilled_exercise_hint
 
 
 def _pushable(value) -> bool:
-    """Functions and classes defined in the notebook, and modules, travel to the ranks."""
-    if inspect.ismodule(value):
-        return True
-    return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == "__main__"
+    """Functions, classes and modules travel to the ranks: the notebook's own by value, imported ones by name
+    (`from cs336_parallel.regions import copy_to_tp_region` in the notebook, then a `%%ranks` cell uses it)."""
+    return inspect.ismodule(value) or inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value)
 
 
 def names_to_push(source: str, user_ns: dict) -> dict:
-    """The notebook's functions, classes and modules that `source` uses without defining them."""
+    """The notebook's functions, classes and modules (its own and imported ones) that `source` uses without
+    defining them."""
     tree = ast.parse(source)
     loaded, stored = set(), set()
     for node in ast.walk(tree):

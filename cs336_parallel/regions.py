@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
-class _CopyToRegion(torch.autograd.Function):
+class CopyToRegion(torch.autograd.Function):
     """f: identity in forward; the gradient is summed over `group` (all-reduce) in backward."""
 
     @staticmethod
@@ -38,7 +38,7 @@ class _CopyToRegion(torch.autograd.Function):
         return grad, None  # one slot per forward input
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class ReduceFromRegion(torch.autograd.Function):
     """g: sum over `group` (all-reduce) in forward; the gradient passes through unchanged."""
 
     @staticmethod
@@ -54,12 +54,12 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 def copy_to_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """f (Megatron): identity in forward, all-reduce of the gradient in backward."""
-    return _CopyToRegion.apply(x, group)
+    return CopyToRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """g (Megatron): all-reduce in forward, identity in backward."""
-    return _ReduceFromRegion.apply(x, group)
+    return ReduceFromRegion.apply(x, group)
 
 
 def _all_gather(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
