@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +31,10 @@ from cs336_parallel.text import red_headline
 
 MAX_STUDENT_OUTPUT = 10_000  # characters of what the student's code prints during one test, kept in its output
 REQUEST_MARGIN_S = 60.0  # a request may take its own timeout plus this (ranks restart, results travel)
+# Submissions are graded in threads of one process, and test code uses process-wide state (torch's default random
+# generator seeds the reference models). So the course's test code runs one thread at a time, and lets go of
+# this lock only while it waits for a kernel: the waiting, where the time goes, still happens in parallel.
+TEST_CODE = threading.Lock()
 
 
 class Kernel(Protocol):
@@ -74,8 +79,9 @@ class TestSession:
 
     def define_helpers(self, cell: NotebookNode, index: int) -> None:
         body = cell.source.split("\n", 1)[1] if "\n" in cell.source else ""
-        testcell.define_helpers("\n" + body, self.helpers, filename=f"<test helpers, cell {index}>",
-                                builtin_names=self.builtins)
+        with TEST_CODE:
+            testcell.define_helpers("\n" + body, self.helpers, filename=f"<test helpers, cell {index}>",
+                                    builtin_names=self.builtins)
 
     def run_test(self, cell: NotebookNode) -> list[NotebookNode]:
         """Run a course test cell here; its outputs (never stderr: a student's warning costs no points)."""
@@ -84,8 +90,9 @@ class TestSession:
         self.shown, self.student_chars = [], 0
         failure = None
         try:
-            testcell.run_test("\n" + body, names, boundary=self.boundary, helpers=self.helpers,
-                              filename=f"<test of {' '.join(names)}>", builtin_names=self.builtins)
+            with TEST_CODE:
+                testcell.run_test("\n" + body, names, boundary=self.boundary, helpers=self.helpers,
+                                  filename=f"<test of {' '.join(names)}>", builtin_names=self.builtins)
         except testcell.TestFailed as e:
             failure = e
         except Exception as e:  # noqa: BLE001 - whatever a reply held, this test fails and the notebook goes on
@@ -151,7 +158,11 @@ class KernelBoundary(Boundary):
 
     def _request(self, request: dict, timeout: float) -> Any:
         payload = base64.b64encode(encode(to_wire(request, self.session.helper_ids()))).decode("ascii")
-        outputs = self.executor.run_request(f"%cs336_call {payload}", timeout + REQUEST_MARGIN_S)
+        TEST_CODE.release()  # held by the test code that asks; others may run while this one waits
+        try:
+            outputs = self.executor.run_request(f"%cs336_call {payload}", timeout + REQUEST_MARGIN_S)
+        finally:
+            TEST_CODE.acquire()
         replies = []
         for output in outputs:
             if output.output_type == "stream":
