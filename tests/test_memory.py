@@ -151,3 +151,15 @@ def test_memory_imports_with_torch_and_cloudpickle_alone():
     done = subprocess.run([sys.executable, "-c", blocked + "import cs336_parallel.memory, cs336_parallel.trace"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_fsdp_units_life_holds_its_shard_the_whole_parameters_while_needed_then_two_shards():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cs336_parallel import viz
+
+    fig = viz.fsdp_unit_life(world_size=4)
+    held = fig.axes[1].patches[0].get_data().values  # in the unit's parameter bytes, phase by phase
+    assert list(held) == pytest.approx([0.25, 1.25, 1.25, 0.25, 1.25, 2.25, 2.5, 0.5])
+    assert fig.axes[1].get_ylabel() and fig.axes[1].get_xlabel() == "time (schematic)"

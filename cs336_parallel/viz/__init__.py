@@ -13,7 +13,7 @@ from .collectives import (  # noqa: F401
 )
 from .data_parallel import bucket_sweep, ddp_step_times, ddp_timeline  # noqa: F401
 from .experts import dispatch_diagram, drop_rate_plot, host_timeline, load_histograms  # noqa: F401
-from .memory import fsdp_timeline, speedup_beside_published, zero_memory_bars  # noqa: F401
+from .memory import fsdp_timeline, fsdp_unit_life, speedup_beside_published, zero_memory_bars  # noqa: F401
 from .mesh import best_layout_heatmap, mesh_diagram, plan_breakdown  # noqa: F401
 from .pipeline import activations_per_stage, bubble_vs_microbatches, gantt, gantt_stack  # noqa: F401
 from .scaling import dp_crossover, dp_ratio_vs_gpus, roofline  # noqa: F401

@@ -1,5 +1,6 @@
 """Pictures of training memory and of FSDP: per-rank memory of DDP and the ZeRO stages (computed and
-measured), and a measured timeline of FSDP's gathers against its compute."""
+measured), the life of one FSDP unit's parameters through a step, and a measured timeline of FSDP's gathers
+against its compute."""
 
 from __future__ import annotations
 
@@ -65,6 +66,51 @@ def zero_memory_bars(world_sizes: Sequence[int], computed: Mapping[str, Sequence
         ax.legend(handles, labels, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# What one rank runs around one FSDP unit in a training step (no prefetch): (label, kind, length, what of the unit
+# it holds, in the unit's parameter bytes: a function of the world size n).
+_UNIT_LIFE = [
+    ("forward of the\nunits before", "forward", 2, lambda n: 1 / n, "its shard"),
+    ("all-gather", "all_gather", 1, lambda n: 1 + 1 / n, "+ the whole\nparameters"),
+    ("forward of\nthis unit", "forward", 2, lambda n: 1 + 1 / n, ""),
+    ("forward of the units after,\nthen their backward", "other", 4, lambda n: 1 / n, "freed: the shard only"),
+    ("all-gather\nagain", "all_gather", 1, lambda n: 1 + 1 / n, "+ whole again"),
+    ("backward of\nthis unit", "backward", 2, lambda n: 2 + 1 / n, "+ its whole\ngradient"),
+    ("reduce-scatter\nits gradient", "reduce_scatter", 1.4, lambda n: 2 + 2 / n, ""),
+    ("backward of the\nunits before", "backward", 2, lambda n: 2 / n, "shards of the parameters\nand of the gradient"),
+]
+
+
+def fsdp_unit_life(world_size: int = 4) -> Figure:
+    """One FSDP unit's parameters on one rank through a training step: above, what the rank runs (the unit's
+    all-gather before its forward, again before its backward, the reduce-scatter of its gradient); below, the bytes
+    of this unit the rank holds, in units of the unit's parameter bytes: its 1/N shard, the whole parameters while
+    they are needed, then the shards of the parameters and of the gradient."""
+    n = world_size
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.6), sharex=True, gridspec_kw={"height_ratios": [1, 2.2]})
+    edges, held = [0.0], []
+    for label, kind, length, holds, note in _UNIT_LIFE:
+        x = edges[-1]
+        top.barh(0, length, left=x, color=SPAN_COLORS.get(kind, OTHER_COLOR), edgecolor="white")
+        top.text(x + length / 2, 0, label, ha="center", va="center", fontsize=7.5,
+                 color="white" if kind != "other" else "black")
+        held.append(holds(n))
+        if note:
+            bottom.text(x + 0.08, holds(n) + 0.06, note, fontsize=7.5, va="bottom")
+        edges.append(x + length)
+    top.set_yticks([])
+    top.set_title(f"One FSDP unit through a training step, on one of N = {n} ranks", loc="left", fontsize=10)
+    bottom.stairs(held, edges, fill=True, color=SPAN_COLORS["all_gather"], alpha=0.35)
+    bottom.stairs(held, edges, color=SPAN_COLORS["all_gather"], linewidth=1.5)
+    bottom.set_ylim(0, 3)
+    bottom.set_xlim(0, edges[-1])
+    bottom.set_ylabel("this unit's bytes held\n(x its parameter bytes)", fontsize=8)
+    bottom.set_xlabel("time (schematic)")
+    bottom.set_xticks([])
+    bottom.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
 
