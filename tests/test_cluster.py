@@ -274,6 +274,7 @@ def test_a_script_is_not_rerun_in_the_ranks(python_script):
     assert out.count("top level ran") == 1, (out, err)
 
 
+@pytest.mark.slow  # a stress test: `make test` runs it, `make test-fast` does not
 def test_ten_clusters_started_at_once_all_come_up(python_script):
     source = """
         import torch, torch.distributed as dist

@@ -205,6 +205,7 @@ def test_a_world_size_beyond_the_machine_is_refused_with_the_reason(world_size, 
         Cluster(world_size)
 
 
+@pytest.mark.slow  # a stress test: `make test` runs it, `make test-fast` does not
 def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
     script = python_script("""
         import os, resource, torch.distributed as dist
@@ -365,6 +366,7 @@ print(json.dumps({"wrong": wrong, "usages": usages, "pids": sorted(pids), "left"
 """
 
 
+@pytest.mark.slow  # a stress test: `make test` runs it, `make test-fast` does not
 def test_soak_a_thousand_calls_that_succeed_raise_die_hang_and_are_interrupted(python_script):
     script = python_script(SOAK)
     out, err = script.communicate(timeout=240)
