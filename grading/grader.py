@@ -26,7 +26,7 @@ from nbformat.notebooknode import NotebookNode
 
 from cs336_parallel import testcell
 from cs336_parallel.boundary import RESULT_MIME, Boundary, RemoteError, decode, encode, to_wire, unpack
-from cs336_parallel.checks import TEST_TIMEOUT_S
+from cs336_parallel.checks import hang_timeout_s
 from cs336_parallel.text import red_headline
 
 MAX_STUDENT_OUTPUT = 10_000  # characters of what the student's code prints during one test, kept in its output
@@ -138,13 +138,13 @@ class KernelBoundary(Boundary):
         self.executor, self.session = executor, session
 
     def begin(self, names):
-        return self._request({"kind": "begin", "names": list(names)}, TEST_TIMEOUT_S)
+        return self._request({"kind": "begin", "names": list(names)}, hang_timeout_s())
 
     def call(self, fn, args, kwargs):
-        return self._request({"kind": "call", "fn": fn, "args": tuple(args), "kwargs": dict(kwargs)}, TEST_TIMEOUT_S)
+        return self._request({"kind": "call", "fn": fn, "args": tuple(args), "kwargs": dict(kwargs)}, hang_timeout_s())
 
     def call_each(self, fn, cases):
-        return self._request({"kind": "call_each", "fn": fn, "cases": [tuple(c) for c in cases]}, TEST_TIMEOUT_S)
+        return self._request({"kind": "call_each", "fn": fn, "cases": [tuple(c) for c in cases]}, hang_timeout_s())
 
     def run(self, world_size, fn, args, kwargs, timeout):
         self._request({"kind": "ready", "world_size": world_size}, timeout)  # joined: no set-up in the measurement

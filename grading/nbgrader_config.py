@@ -9,7 +9,7 @@ c = get_config()  # noqa: F821 - nbgrader defines it
 c.CourseDirectory.course_id = "cs336-parallel"
 
 # The notebook's cells run in a sandboxed kernel (grading/runner.py); its test cells run in the grader's own
-# process (grading/grader.py). A deadlocked exercise fails its own test after cs336_parallel.checks.TEST_TIMEOUT_S
+# process (grading/grader.py). A deadlocked exercise fails its own test after cs336_parallel.checks.hang_timeout_s()
 # (30 s); this limit per cell is the backstop for anything else.
 c.Execute.timeout = 300
 c.Execute.kernel_name = "cs336-parallel"  # registered by `make lab` / `make test`
