@@ -1,24 +1,36 @@
 # The front-door commands (README): `make lab` starts the course (learners), `make grade` grades a learner's
-# notebook, `make test` runs every test (developers), `make notebooks` releases the notebooks (instructors).
-# Each creates or updates the environment in .venv first, and is quick when it is up to date.
-# Versions come from the lock (requirements/lock.txt); `make lock` makes a new one, `make test-latest` tries the
-# newest versions pyproject.toml allows in an environment of its own, before they reach the lock.
+# notebook. Each creates or updates the environment in .venv first, and is quick when it is up to date.
+# Versions come from the lock (requirements/lock.txt).
+# course only
+# `make test` runs every test (developers), `make notebooks` releases the notebooks (instructors); `make lock` makes
+# a new lock, `make test-latest` tries the newest versions pyproject.toml allows in an environment of its own,
+# before they reach the lock. The parts between `course only` lines are left out of the student edition a class is
+# given (`python -m grading student-edition DIR`, grading/edition.py).
+# end course only
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# What a learner needs (the package, JupyterLab, nbgrader), then what the tests need on top (pytest, ruff...).
+# What a learner needs (the package, JupyterLab, nbgrader).
 READY := $(VENV)/.installed
-TEST_READY := $(VENV)/.installed-test
 # `make lab TORCH=cpu`: PyTorch's CPU-only wheels on Linux (192 MB to download, not ~2.7 GB of CUDA libraries).
 TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
 # Every package at the lock's version (a constraints file: pip installs what is asked for, and pins what it names).
 LOCK := requirements/lock.txt
+CONSTRAINTS := -c $(LOCK)
+# `make grade`: a class's student edition has only the visible tests (cs336_parallel/selfcheck.py).
+GRADER := cs336_parallel.selfcheck
+# course only
+# What the tests need on top (pytest, ruff...).
+TEST_READY := $(VENV)/.installed-test
 PINS := requirements/pins.txt
 # LATEST=1 (make test-latest): the newest versions pyproject.toml allows, apart from requirements/pins.txt.
 CONSTRAINTS := $(if $(LATEST),-c $(PINS) --upgrade --upgrade-strategy eager,-c $(LOCK))
-PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_INDEX) $(CONSTRAINTS)
 UV := uv==0.13.9
+# The course's repository grades against the hidden tests (grading/).
+GRADER := grading selfgrade
+# end course only
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_INDEX) $(CONSTRAINTS)
 KERNEL := cs336-parallel
 # The environment's tools (jupyter, nbgrader, alembic) come first for every command.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
@@ -27,7 +39,10 @@ OPEN_BROWSER := $(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell 
 # Containers and cloud machines often log in as root; JupyterLab refuses root unless told.
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # nbgrader's instructor tools (formgrader, exchange-based assignment and course lists) stay out of the
-# learner's JupyterLab; its Validate button stays. Instructors use `python -m grading` (grading/README.md).
+# learner's JupyterLab; its Validate button stays.
+# course only
+# Instructors use `python -m grading` (grading/README.md).
+# end course only
 NBGRADER_SERVER_OFF := formgrader assignment_list course_list
 NBGRADER_LAB_OFF := formgrader assignment-list course-list create-assignment menu
 
@@ -39,12 +54,19 @@ NO_VENV := "$(PYTHON) cannot create a virtual environment (it has no ensurepip).
   sudo apt install python3-venv (python3.10-venv for Python 3.10), then run make again."
 
 NOTEBOOKS ?= notebooks
-SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
-.PHONY: lab test test-fast test-latest lock chromium sandbox notebooks grade lint clean
+.PHONY: lab grade clean
 
 lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) $(OPEN_BROWSER) $(AS_ROOT) $(ARGS)
+
+grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_collectives.ipynb
+	$(BIN)/python -m $(GRADER) $(NOTEBOOK)
+
+# course only
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+
+.PHONY: test test-fast test-latest lock chromium sandbox notebooks lint
 
 test: $(TEST_READY) chromium sandbox
 	$(BIN)/python -m pytest $(ARGS)
@@ -73,9 +95,6 @@ sandbox:
 notebooks: $(READY)  ## regenerate the student notebooks from grading/source (instructors); FORCE=1 overwrites changes
 	$(BIN)/python -m grading release $(if $(FORCE),--force)
 
-grade: $(READY)  ## grade your own notebook: make grade NOTEBOOK=notebooks/01_collectives.ipynb
-	$(BIN)/python -m grading selfgrade $(NOTEBOOK)
-
 lint: $(TEST_READY)
 	$(BIN)/ruff check .
 
@@ -92,6 +111,11 @@ lock: $(READY)
 test-latest: chromium sandbox
 	$(PYTHON) requirements/test_latest.py $(ARGS)
 
+$(TEST_READY): $(READY)
+	$(PIP_INSTALL) -e '.[course,test]'
+	touch $@
+# end course only
+
 $(READY): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else $(OLD_PYTHON))'
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { echo $(NO_VENV); exit 1; }
@@ -105,10 +129,9 @@ $(READY): pyproject.toml $(LOCK)
 	  > $(VENV)/share/jupyter/lab/settings/overrides.json
 	touch $@
 
-$(TEST_READY): $(READY)
-	$(PIP_INSTALL) -e '.[course,test]'
-	touch $@
-
 clean:
-	rm -rf $(VENV) .venv-latest grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
+	rm -rf $(VENV)
+# course only
+	rm -rf .venv-latest grading/release grading/submitted grading/autograded grading/feedback grading/gradebook.db \
 	  grading/executed grading/report
+# end course only

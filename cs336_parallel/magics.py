@@ -18,10 +18,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import testcell
+from . import selfcheck, testcell
 from .boundary import RESULT_MIME
 from .cluster import Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
+
+REPOSITORY = Path(__file__).resolve().parent.parent  # the course's repository, or a student edition
 
 
 def _pushable(value) -> bool:
@@ -63,6 +65,14 @@ def explain_unfilled_exercise(shell, etype, value, tb, tb_offset=None) -> list[s
         stb += unfilled_exercise_hint(frames[-1].name, message)
     shell._showtraceback(etype, value, stb)  # IPython leaves the display to the handler
     return stb
+
+
+def grade_command(notebook: str, repository: Path = REPOSITORY) -> tuple[list[str], Path]:
+    """What `%grade` runs, and where: the hidden tests where the course's repository holds them (grading/), else
+    (a student edition, a hosted install) the notebook's visible tests (cs336_parallel.selfcheck)."""
+    if (repository / "grading" / "course.py").exists():
+        return [sys.executable, "-m", "grading", "selfgrade", notebook], repository
+    return [sys.executable, "-m", "cs336_parallel.selfcheck", notebook], Path(notebook).parent
 
 
 @magics_class
@@ -152,21 +162,22 @@ class ClusterMagics(Magics):
 
     @line_magic
     def grade(self, line: str) -> None:
-        """%grade [NOTEBOOK]: grade this notebook (or NOTEBOOK), as saved, against the hidden tests, in a fresh
-        kernel; prints one line per test, with the reason of each failure. Save first (Ctrl+S)."""
+        """%grade [NOTEBOOK]: grade this notebook (or NOTEBOOK), as saved, in a fresh kernel: against the hidden
+        tests in the course's repository, against the visible ones in a student edition; prints one line per test,
+        with the reason of each failure. Save first (Ctrl+S)."""
+        if os.environ.get(selfcheck.RUNNING) or os.environ.get("NBGRADER_EXECUTION"):
+            print("%grade does nothing while this notebook is itself being graded or checked.")
+            return
         path = line.strip() or os.environ.get("JPY_SESSION_NAME", "")  # JupyterLab names the notebook here
         if not path:
             raise UsageError("Which notebook? Run %grade notebooks/01_collectives.ipynb (this kernel was not "
                              "started by JupyterLab, so it does not know its notebook).")
-        repository = Path(__file__).resolve().parent.parent
-        if not (repository / "grading" / "course.py").exists():
-            raise UsageError("Grading needs the course's repository (its grading/ folder, with the hidden tests); "
-                             "this installation of cs336_parallel has none. Clone the repository to grade yourself.")
         saved = time.strftime("%H:%M:%S", time.localtime(os.path.getmtime(path)))
         print(f"Grading {os.path.basename(path)} as saved at {saved} (press Ctrl+S first if you changed it since).",
               flush=True)
-        with subprocess.Popen([sys.executable, "-m", "grading", "selfgrade", os.path.abspath(path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repository) as grader:
+        command, repository = grade_command(os.path.abspath(path))
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=repository) as grader:
             for output in grader.stdout:
                 print(output, end="", flush=True)
         if grader.returncode:

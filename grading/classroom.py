@@ -310,18 +310,25 @@ def merge(names: list[str], root: Path, results: Path | None = None) -> int:
     return len(todo)
 
 
-def selfgrade(notebook: Path) -> list[gradebook.Score]:
-    """Grade a learner's own notebook against the hidden tests, in a throwaway copy of the course: as a class is
-    graded (the tests in this process, the notebook's kernel isolated where a sandbox runs), one line per test."""
-    name = notebook.stem
-    if name not in gradebook.assignments():
-        raise SystemExit(f"{notebook} is not one of the course's notebooks ({', '.join(gradebook.assignments())})")
-    with tempfile.TemporaryDirectory(prefix="cs336-selfgrade-") as tmp:
+def grade_alone(notebook: Path, name: str, *, use_sandbox: bool,
+                limits: Limits | None = None) -> tuple[list[gradebook.Score], Run | None]:
+    """Grade one notebook as assignment `name`, in a throwaway copy of the course, as a class is graded (the tests
+    in this process, the kernel isolated when `use_sandbox`): one score per test, and the run (its limit, if one
+    stopped it). Raises RuntimeError when the notebook could not be run at all."""
+    with tempfile.TemporaryDirectory(prefix="cs336-alone-") as tmp:
         root = Path(tmp)
         shutil.copytree(gradebook.COURSE / "source" / name, root / "source" / name)
         target = root / "submitted" / "me" / name
         target.mkdir(parents=True)
         shutil.copy(notebook, target / f"{name}.ipynb")
-        print(f"Running {notebook} with the hidden tests (about as long as running it top to bottom)...")
-        autograde([name], root, use_sandbox=sandbox.unavailable() is None)
-        return gradebook.scores(name, "me", root)
+        autograde([name], root, limits=limits, use_sandbox=use_sandbox)
+        return gradebook.scores(name, "me", root), runner.load_run(root / runner.RESULTS, name, "me")
+
+
+def selfgrade(notebook: Path) -> list[gradebook.Score]:
+    """Grade a learner's own notebook against the hidden tests (`grade_alone`), isolated where a sandbox runs."""
+    name = notebook.stem
+    if name not in gradebook.assignments():
+        raise SystemExit(f"{notebook} is not one of the course's notebooks ({', '.join(gradebook.assignments())})")
+    print(f"Running {notebook} with the hidden tests (about as long as running it top to bottom)...")
+    return grade_alone(notebook, name, use_sandbox=sandbox.unavailable() is None)[0]

@@ -5,8 +5,11 @@
     python -m grading autograde [ASSIGNMENT ...]  # every submission in a sandbox, --jobs N at a time;
                                                   # --student S regrades one; scores + report/
     python -m grading feedback [ASSIGNMENT ...]   # one HTML report per student and notebook
-    python -m grading export [grades.csv]         # every score, one row per student and assignment
+    python -m grading export [grades.csv]         # every score, one row per student and assignment;
+                                                  # --canvas: in the columns Canvas's gradebook import reads
     python -m grading selfgrade notebooks/01_collectives.ipynb   # a learner grades their own work
+    python -m grading student-edition DIR         # the repository a class is given: no solution, no hidden test
+    python -m grading gradescope ASSIGNMENT       # autograder.zip, a Gradescope autograder for it
 
 On a cluster (grading/slurm/autograde.sbatch): `prepare`, then one `execute --shard I --shards N` per task of a
 Slurm job array, then `merge`, which scores every result into the gradebook and writes the report.
@@ -23,20 +26,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from grading import classroom, gradebook, report, runner
+from cs336_parallel import selfcheck
+from grading import classroom, edition, gradebook, gradescope, report, runner
 from grading.gradebook import COURSE, REPO, Score
 from grading.runner import Limits
 
 
 def print_table(results: list[Score]) -> None:
-    """One line per test: ok or --, its name, its points, and why it failed."""
-    width = max(len(r.cell) for r in results)
-    for r in results:
-        mark = "ok" if r.score == r.max_score else "--"
-        line = f"  {mark}  {r.cell.removeprefix('test_'):<{width}}  {r.score:g} / {r.max_score:g}"
-        print(f"{line}   {r.reason}" if r.reason else line)
-    total, best = sum(r.score for r in results), sum(r.max_score for r in results)
-    print(f"  total {total:g} / {best:g}")
+    """One line per test: ok or --, its name, its points, and why it failed; then the total."""
+    print("\n".join(selfcheck.table(results)))
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +77,16 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("merge", help="score the shards' results into the gradebook").add_argument("assignments", nargs="*")
     sub.add_parser("report").add_argument("assignments", nargs="*")
     sub.add_parser("feedback").add_argument("assignments", nargs="*")
-    sub.add_parser("export").add_argument("to", nargs="?", type=Path, default=COURSE / "grades.csv")
+    exporting = sub.add_parser("export")
+    exporting.add_argument("to", nargs="?", type=Path, default=COURSE / "grades.csv")
+    exporting.add_argument("--canvas", action="store_true",
+                           help="one row per student, one column per assignment, as Canvas's gradebook import reads")
     sub.add_parser("selfgrade").add_argument("notebook", type=Path)
+    sub.add_parser("student-edition", help="write the repository a class is given (no solutions, no hidden tests)"
+                   ).add_argument("into", type=Path)
+    zipped = sub.add_parser("gradescope", help="write a Gradescope autograder (autograder.zip) for an assignment")
+    zipped.add_argument("assignment")
+    zipped.add_argument("--out", type=Path, default=Path("autograder.zip"))
     return main_parser
 
 
@@ -125,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         gradebook.feedback(args.assignments, root)
         print(f"feedback in {root / 'feedback'}")
     elif args.command == "export":
-        print(f"wrote {gradebook.export(args.to, root)}")
+        print(f"wrote {report.canvas(args.to, root) if args.canvas else gradebook.export(args.to, root)}")
+    elif args.command == "student-edition":
+        written = edition.write(args.into.resolve(), root)
+        print(f"wrote {len(written)} files into {args.into}: the student edition (no solution, no hidden test)")
+    elif args.command == "gradescope":
+        print(f"wrote {gradescope.build(args.assignment, args.out, root)}: upload it as the assignment's autograder")
     else:
         print_table(classroom.selfgrade(args.notebook))

@@ -222,6 +222,19 @@ def feedback(names: list[str] | None = None, root: Path = COURSE) -> None:
         check(grader.generate_feedback(name), f"generate feedback for {name}")
 
 
+def totals(root: Path = COURSE, names: list[str] | None = None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """({student: {assignment: total score}}, {assignment: points possible}) of the assignments `names` (default:
+    every one the gradebook knows), in order. A student appears with every assignment they submitted."""
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        known = sorted((a for a in gb.assignments if names is None or a.name in names), key=lambda a: a.name)
+        possible = {a.name: a.max_score for a in known}
+        scores: dict[str, dict[str, float]] = {s.id: {} for s in gb.students}
+        for assignment in known:
+            for submission in assignment.submissions:
+                scores[submission.student_id][assignment.name] = submission.score
+    return scores, possible
+
+
 def export(to: Path = COURSE / "grades.csv", root: Path = COURSE) -> Path:
     """Every score, one row per student and assignment (nbgrader's CSV)."""
     plugin = CsvExportPlugin(to=str(to))

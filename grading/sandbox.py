@@ -93,10 +93,13 @@ def bwrap_args(box: Path, env: dict[str, str]) -> list[str]:
 
 
 def kernel_env(workdir: Path) -> dict[str, str]:
-    """The kernel's whole environment: nothing of the grader's but locale, thread counts and CS336_ settings."""
+    """The kernel's whole environment: nothing of the grader's but locale, thread counts, CS336_ settings, and where
+    the package is."""
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
            "HOME": str(workdir), "TMPDIR": "/tmp", "NBGRADER_EXECUTION": "autograde", "PYTHONNOUSERSITE": "1",
-           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+           # the package the grader uses and binds into the sandbox, wherever the environment's own install points
+           "PYTHONPATH": str(Path(cs336_parallel.__file__).resolve().parent.parent)}
     env.update({k: v for k, v in os.environ.items() if k in PASSED_ON or k.startswith(PASSED_ON_PREFIXES)})
     return env
 

@@ -19,6 +19,8 @@ import re
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from cs336_parallel import selfcheck
+
 # What the listing looks for: the kernel's machinery, the interpreter's hooks, a function's insides, another
 # frame's variables, the dispatcher's escape hatches, and code loaded from elsewhere. Names after a dot, or alone.
 MACHINERY = {
@@ -98,8 +100,7 @@ def reasons(nb: NotebookNode) -> dict[str, str]:
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
         stderr = [o for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stderr"]
         if errors:
-            e = errors[0]
-            found[grade_id] = e.evalue if e.ename == "TestFailed" else f"{e.ename}: {e.evalue}".strip(": ")
+            found[grade_id] = selfcheck.error_reason(errors[0])
         elif stderr:
             found[grade_id] = "wrote to stderr: " + stderr[0].text.strip().splitlines()[0][:200]
     return {k: re.sub(r"\x1b\[[0-9;]*m", "", v).splitlines()[0] if v else v for k, v in found.items()}
