@@ -104,12 +104,12 @@ def grade(root: Path, limits: runner.Limits = LIMITS, **options) -> Graded:
 
 @pytest.fixture(scope="module")
 def one_at_a_time(tmp_path_factory) -> Graded:
-    return grade(make_class(tmp_path_factory.mktemp("serial")), jobs=1, sandbox=True)
+    return grade(make_class(tmp_path_factory.mktemp("serial")), jobs=1, use_sandbox=True)
 
 
 @pytest.fixture(scope="module")
 def two_at_once(tmp_path_factory) -> Graded:
-    return grade(make_class(tmp_path_factory.mktemp("parallel")), jobs=2, sandbox=True)
+    return grade(make_class(tmp_path_factory.mktemp("parallel")), jobs=2, use_sandbox=True)
 
 
 # -- the same scores, whatever the order -------------------------------------------------------------------
@@ -163,7 +163,7 @@ def unsandboxed(tmp_path_factory) -> Graded:
     without a memory limit (its cgroup would end the processes left behind)."""
     root = make_class(tmp_path_factory.mktemp("unsandboxed"),
                       ["ada_correct", "eve_sources", "mallory_gradebook", "oscar_others"])
-    return grade(root, jobs=1, sandbox=False, limits=runner.Limits(wall_s=180, memory_mb=0))
+    return grade(root, jobs=1, use_sandbox=False, limits=runner.Limits(wall_s=180, memory_mb=0))
 
 
 def test_without_a_sandbox_the_attacks_succeed(unsandboxed):
