@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .devices import device as rank_device
 
-__all__ = ["MemoryTracker", "live_tensor_bytes", "tensor_bytes", "track", "zero_communication_bytes"]
+__all__ = ["MemoryTracker", "live_tensor_bytes", "tensor_bytes", "track"]
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -208,19 +208,3 @@ class MemoryTracker(TorchDispatchMode):
 def track(device: torch.device | str | None = None, *, count_existing: bool = True) -> MemoryTracker:
     """`with memory.track() as mem: ...`, then `mem.peak_bytes` (see `MemoryTracker`)."""
     return MemoryTracker(device, count_existing=count_existing)
-
-
-def zero_communication_bytes(num_params: int, zero_stage: int, world_size: int, *, bytes_per_param: int = 2) -> float:
-    """Bytes each rank sends per training step under ring collectives (ZeRO paper, section 7).
-
-    Stages 0 (DDP), 1 and 2: 2 (n-1)/n Psi: an all-reduce of the gradients, or its two halves, a
-    reduce-scatter of the gradients and an all-gather of the updated parameters. Stage 3: 3 (n-1)/n Psi:
-    the parameters are all-gathered in forward and again in backward, and the gradients reduce-scattered."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if num_params < 0 or bytes_per_param < 0:
-        raise ValueError(f"num_params and bytes_per_param must be >= 0, got {num_params} and {bytes_per_param}")
-    volumes = 3 if zero_stage == 3 else 2
-    return volumes * (world_size - 1) / world_size * num_params * bytes_per_param

@@ -147,6 +147,7 @@ _harness_saved = [(owner, dict(vars(owner))) for owner in (builtins, math, torch
                   torch.serialization, cs336_parallel.checks, torch.Tensor, torch.nn.Module)]
 _harness_code = [(f, f.__code__) for _, saved in _harness_saved for f in saved.values() if hasattr(f, "__code__")]
 _harness_modules = dict(sys.modules)
+_harness_names = dict(globals())
 """
 RESTORE = """
 for _owner, _saved in _harness_saved:
@@ -161,10 +162,11 @@ _ALWAYS_EQUAL = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n     
                  "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n")
 
 
-def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
-    """The tricks any exercise can be tried with: patched checks (in the kernel, or while the answer runs),
-    names a test might use shadowed, a result that claims to equal anything, and refusing every call (which the
-    argument tests must not reward)."""
+def generic_tampers(ex: Exercise, helpers: set[str], *, kernel_tricks: bool = True) -> list[Block]:
+    """The tricks any exercise can be tried with: a result that claims to equal anything, refusing every call (which
+    the argument tests must not reward), and, with `kernel_tricks`, patched checks (in the kernel, or while the
+    answer runs) and shadowed names: the tests run in the grader, out of their reach, so one exercise per notebook
+    is enough to show it."""
     patched_in_call = textwrap.indent(_PATCHES, "    ")
     if ex.is_class:  # when the test builds one, or asks for an alternate constructor (`from_linear`)
         in_call = (f"class _Patching(type(torch.nn.Module)):\n    def __getattr__(cls, name):\n"
@@ -182,11 +184,15 @@ def generic_tampers(ex: Exercise, helpers: set[str]) -> list[Block]:
         Block(ex.name, "tamper", "rebinds the checks while it runs (on the ranks, or in the kernel)", in_call,
               cleanup=RESTORE),
         Block(ex.name, "tamper", "shadows the names a test could use without qualifying them",
-              _stub(ex) + "\n" + shadows, cleanup=f"for _name in {shadowed!r}:\n    globals().pop(_name, None)\n"),
+              _stub(ex) + "\n" + shadows, cleanup=f"for _name in {shadowed!r}:\n    globals().pop(_name, None)\n"
+                                                   "globals().update({k: v for k, v in _harness_names.items() "
+                                                   f"if k in {shadowed!r}}})\n"),
     ]
+    if not kernel_tricks:
+        blocks = []
     if ex.is_value:  # a value never runs: no code of its own can patch anything while a test uses it
-        return [blocks[0], blocks[2], Block(ex.name, "tamper", "a value that claims to equal anything",
-                                            _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]
+        return [*blocks[:1], *blocks[2:3], Block(ex.name, "tamper", "a value that claims to equal anything",
+                                                 _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]
     refusing = "    def __init__(self, *args, **kwargs):\n        raise ValueError('no')\n"
     blocks.append(Block(ex.name, "tamper", "raises ValueError on every call",
                         f"class {ex.name}(torch.nn.Module):\n{refusing}" if ex.is_class else
@@ -216,7 +222,7 @@ def blocks(nb, variants: dict[str, list]) -> list[Block]:
             elif isinstance(f, Tamper):
                 tampering.append(Block(name, "tamper", f.why, f.source, caught_by=f.caught_by, cleanup=RESTORE,
                                        layer=f.layer, touches=f.touches))
-        tampering += generic_tampers(found[name], helper_names(nb))
+        tampering += generic_tampers(found[name], helper_names(nb), kernel_tricks=name == next(iter(found)))
     return ordinary + tampering
 
 
