@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import selfcheck, testcell
+from . import testcell
 from .boundary import RESULT_MIME
 from .cluster import Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
@@ -165,6 +165,8 @@ class ClusterMagics(Magics):
         """%grade [NOTEBOOK]: grade this notebook (or NOTEBOOK), as saved, in a fresh kernel: against the hidden
         tests in the course's repository, against the visible ones in a student edition; prints one line per test,
         with the reason of each failure. Save first (Ctrl+S)."""
+        from . import selfcheck  # not at %load_ext: it reads notebooks (nbformat: a second to import)
+
         if os.environ.get(selfcheck.RUNNING) or os.environ.get("NBGRADER_EXECUTION"):
             print("%grade does nothing while this notebook is itself being graded or checked.")
             return

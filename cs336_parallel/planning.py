@@ -98,7 +98,7 @@ class ClusterSpec:
 class Layout:
     """How one training step is split: the parallel degrees, ZeRO, batching, pipeline schedule, recomputation,
     precision. The mesh's axes, innermost first: tp, cp, ep, pp, then the rest of dp (expert parallelism is carved
-    out of data parallelism, as in Megatron-Core and DeepSeek-V3)."""
+    out of data parallelism, as in Megatron-Core (whose default order otherwise puts pp outermost) and DeepSeek-V3)."""
 
     dp: int = 1
     tp: int = 1

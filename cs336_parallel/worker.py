@@ -29,7 +29,6 @@ import warnings
 from datetime import timedelta
 
 import torch
-import torch._dynamo  # noqa: F401 - imported here, once per server, not by every rank's first optimizer (1 s)
 import torch.distributed as dist
 
 from . import protocol

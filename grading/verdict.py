@@ -36,7 +36,7 @@ CALLS = {"exec", "eval", "compile"}
 MAGICS = {"run", "load", "alias_magic"}  # code from a file, or a magic under another name
 
 
-def tampering(source: str) -> list[str]:
+def reaches_in(source: str) -> list[str]:
     """What in a cell's source reaches into the kernel or the grader: one description per finding."""
     found = []
     python_lines = []
@@ -77,7 +77,7 @@ def reaching(nb: NotebookNode) -> list[str]:
     """`cell N: what it reaches` for each editable cell that reaches into the kernel or the grader: for the
     instructor to look at, never scored."""
     return [f"cell {number}: {'; '.join(found[:3])}" for number, cell in enumerate(nb.cells, start=1)
-            if _editable(cell) and (found := tampering(cell.source))]
+            if _editable(cell) and (found := reaches_in(cell.source))]
 
 
 class RefuseExecute(NbGraderPreprocessor):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import zipfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -215,11 +216,26 @@ EXPECTED = {  # points of test_shard_range, _uneven, _arguments
 }
 
 
+@pytest.fixture(scope="module")
+def gradescope_results(autograder, tmp_path_factory) -> dict[str, dict]:
+    """Every simulated Gradescope run of this file, two at a time (each is a whole grading: a kernel and its ranks):
+    one per kind of EXPECTED, a cheat where no sandbox can run, and an upload without the notebook."""
+    tools = tmp_path_factory.mktemp("bin")  # a container without bubblewrap: bash only
+    (tools / "bash").symlink_to(shutil.which("bash"))
+    runs = {kind: ({"my_work.ipynb" if kind == "correct" else f"{ASSIGNMENT}.ipynb": submission(kind)}, "")
+            for kind in EXPECTED}  # any one name will do
+    runs["no sandbox"] = ({f"{ASSIGNMENT}.ipynb": submission("cheat")}, str(tools))
+    runs["no notebook"] = ({"a.ipynb": submission("blank"), "b.ipynb": submission("blank")}, "")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {run: pool.submit(run_autograder, autograder, tmp_path_factory.mktemp("autograder"), upload, path)
+                   for run, (upload, path) in runs.items()}
+    return {run: future.result() for run, future in futures.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", EXPECTED)
-def test_run_autograder_writes_gradescopes_results(autograder, course, kind, tmp_path):
-    upload = {"my_work.ipynb" if kind == "correct" else f"{ASSIGNMENT}.ipynb": submission(kind)}  # any one name
-    results = run_autograder(autograder, tmp_path, upload)
+def test_run_autograder_writes_gradescopes_results(gradescope_results, course, kind):
+    results = gradescope_results[kind]
     tests = results["tests"]
     assert [t["name"] for t in tests] == ["shard_range", "shard_range_uneven", "shard_range_arguments"]
     assert [t["score"] for t in tests] == EXPECTED[kind] and [t["max_score"] for t in tests] == [1, 1, 0.5]
@@ -233,19 +249,15 @@ def test_run_autograder_writes_gradescopes_results(autograder, course, kind, tmp
 
 
 @pytest.mark.slow
-def test_where_no_sandbox_can_run_the_results_say_so_and_a_cheat_still_earns_nothing(autograder, tmp_path):
-    tools = tmp_path / "bin"  # a container without bubblewrap: bash only
-    tools.mkdir()
-    (tools / "bash").symlink_to(shutil.which("bash"))
-    results = run_autograder(autograder, tmp_path / "autograder", {f"{ASSIGNMENT}.ipynb": submission("cheat")},
-                             path=str(tools))
+def test_where_no_sandbox_can_run_the_results_say_so_and_a_cheat_still_earns_nothing(gradescope_results):
+    results = gradescope_results["no sandbox"]
     assert results["output"].startswith("Graded without a sandbox: this container cannot make one (bubblewrap")
     assert results["score"] == 0 and all(t["output"] for t in results["tests"])
 
 
 @pytest.mark.slow
-def test_a_submission_without_the_notebook_scores_zero_and_says_what_to_upload(autograder, tmp_path):
-    results = run_autograder(autograder, tmp_path, {"a.ipynb": submission("blank"), "b.ipynb": submission("blank")})
+def test_a_submission_without_the_notebook_scores_zero_and_says_what_to_upload(gradescope_results):
+    results = gradescope_results["no notebook"]
     assert results["score"] == 0 and [t["max_score"] for t in results["tests"]] == [1, 1, 0.5]
     assert "upload your notebook, 00_setup.ipynb (notebooks found: a.ipynb, b.ipynb)" in results["output"]
 
@@ -272,7 +284,7 @@ def test_autograde_writes_the_picture_the_reasons_and_canvass_columns(course, tm
     for kind in ("correct", "wrong", "blank"):
         (root / "submitted" / kind / ASSIGNMENT).mkdir(parents=True)
         nbformat.write(submission(kind), root / "submitted" / kind / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
-    classroom.autograde([ASSIGNMENT], root)
+    classroom.autograde([ASSIGNMENT], root, jobs=2)
     folder = root / "report"
     assert (folder / "tests.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reasons = (folder / "reasons.md").read_text()

@@ -51,7 +51,7 @@ def autograde(root: Path, name: str, submissions: dict[str, nbformat.NotebookNod
         target = root / "submitted" / student / name
         target.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, target / f"{name}.ipynb")
-    classroom.autograde([name], root)
+    classroom.autograde([name], root, jobs=2)
     return {student: gradebook.scores(name, student, root) for student in submissions}
 
 
@@ -61,13 +61,18 @@ def autograded(root: Path, name: str, student: str) -> nbformat.NotebookNode:
 
 # -- the release -------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=ASSIGNMENTS)
-def released(request, tmp_path_factory) -> tuple[str, Path]:
-    """(assignment, course root): a copy of the course with that one assignment generated."""
-    name = request.param
-    root = copy_course(tmp_path_factory.mktemp(name), name)
-    gradebook.release(root, root / "notebooks", [name])
-    return name, root
+@pytest.fixture(scope="module")
+def released_course(tmp_path_factory) -> Path:
+    """A copy of the course with every assignment generated (in one nbgrader session: 3 s, not 2 s each)."""
+    root = copy_course(tmp_path_factory.mktemp("released"), *ASSIGNMENTS)
+    gradebook.release(root, root / "notebooks", list(ASSIGNMENTS))
+    return root
+
+
+@pytest.fixture(params=ASSIGNMENTS)
+def released(request, released_course) -> tuple[str, Path]:
+    """(assignment, course root)."""
+    return request.param, released_course
 
 
 def test_committed_notebooks_are_the_current_release(released):
@@ -135,7 +140,7 @@ def test_test_cells_follow_the_house_rules(name):
                 assert defined not in helper_defs, f"{defined} is defined by two helper cells"
                 helper_defs[defined] = meta["grade_id"]
         elif cell.cell_type == "code" and not meta.get("locked"):
-            assert not verdict.tampering(cell.source), (cell.source[:80], verdict.tampering(cell.source))
+            assert not verdict.reaches_in(cell.source), (cell.source[:80], verdict.reaches_in(cell.source))
 
 
 def drivers(tree: ast.AST) -> list[str]:
@@ -318,7 +323,7 @@ def test_the_instructor_workflow_collect_autograde_feedback_export(tmp_path, cap
         shutil.copy(next(source.rglob("00_setup.ipynb")), submissions / student / "00_setup.ipynb")
     (submissions / "bo" / "notes.ipynb").write_text("{}")  # not an assignment: skipped with a message
     assert gradebook.collect(submissions, root) == [("ada", "00_setup"), ("bo", "00_setup")]
-    classroom.autograde(None, root)
+    classroom.autograde(None, root, jobs=2)
     assert "autograding: 100%" in capsys.readouterr().err  # the progress bar over students
     gradebook.feedback(None, root)
     for student in ("ada", "bo"):

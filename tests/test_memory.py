@@ -149,5 +149,11 @@ def test_an_fsdp_units_life_holds_its_shard_the_whole_parameters_while_needed_th
 
     fig = viz.fsdp_unit_life(world_size=4)
     held = fig.axes[1].patches[0].get_data().values  # in the unit's parameter bytes, phase by phase
-    assert list(held) == pytest.approx([0.25, 1.25, 1.25, 0.25, 1.25, 2.25, 2.5, 0.5])
+    n = 4
+    shard, whole, gradient = 1 / n, 1, 1  # gradient: the unit's whole gradient, as big as its parameters
+    expected = [shard, shard + whole, shard + whole, shard,  # gather, forward, free
+                shard + whole, shard + whole + gradient,  # gather again, backward
+                shard + gradient + shard,  # reduce-scatter: the whole parameters are already freed (PyTorch's FSDP too)
+                shard + shard]  # parameter and gradient shards
+    assert list(held) == pytest.approx(expected)
     assert fig.axes[1].get_ylabel() and fig.axes[1].get_xlabel() == "time (schematic)"

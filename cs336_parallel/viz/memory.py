@@ -79,7 +79,7 @@ _UNIT_LIFE = [
     ("forward of the units after,\nthen their backward", "other", 4, lambda n: 1 / n, "freed: the shard only"),
     ("all-gather\nagain", "all_gather", 1, lambda n: 1 + 1 / n, "+ whole again"),
     ("backward of\nthis unit", "backward", 2, lambda n: 2 + 1 / n, "+ its whole\ngradient"),
-    ("reduce-scatter\nits gradient", "reduce_scatter", 1.4, lambda n: 2 + 2 / n, ""),
+    ("reduce-scatter\nits gradient", "reduce_scatter", 1.4, lambda n: 1 + 2 / n, "whole parameters freed"),
     ("backward of the\nunits before", "backward", 2, lambda n: 2 / n, "shards of the parameters\nand of the gradient"),
 ]
 
