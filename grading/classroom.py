@@ -203,7 +203,8 @@ def scoring_config(results: Path) -> Config:
     return Config({"Autograde": {"autograde_preprocessors": preprocessors}, "Replay": {"results": str(results)}})
 
 
-def scored(job: Submission, results: Path) -> bool:
+def is_scored(job: Submission, results: Path) -> bool:
+    """Whether this version of the submission's run is already in the gradebook (its autograded notebook written)."""
     marker = runner.result_dir(results, job.assignment, job.student) / "scored"
     autograded = Path(job.root) / "autograded" / job.student / job.assignment / f"{job.assignment}.ipynb"
     run = runner.load_run(results, job.assignment, job.student)
@@ -249,7 +250,7 @@ def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, 
         raise SystemExit(f"no submission of {', '.join(sorted(names))} from {', '.join(sorted(unknown))}")
     again = set(students or ())
     to_execute = [j for j in everyone if force or j.student in again or executed(j, results) is None]
-    to_score = [j for j in everyone if j not in to_execute and not scored(j, results)]
+    to_score = [j for j in everyone if j not in to_execute and not is_scored(j, results)]
     scorer = gradebook.api(root, scoring_config(results))
     problems: list[str] = []
     runs: list[Run] = []
@@ -300,7 +301,7 @@ def merge(names: list[str], root: Path, results: Path | None = None) -> int:
     everyone = submissions(names, root)
     ran = [(j, executed(j, results) is not None) for j in everyone]
     missing = [f"{j.student}/{j.assignment}" for j, ok in ran if not ok]
-    todo = [j for j, ok in ran if ok and not scored(j, results)]
+    todo = [j for j, ok in ran if ok and not is_scored(j, results)]
     scorer = gradebook.api(root, scoring_config(results))
     for job in tqdm(todo, desc="scoring", unit="notebook"):
         score(job, results, scorer)
