@@ -17,13 +17,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import nbformat
 from nbformat.notebooknode import NotebookNode
 
 KERNEL = "cs336-parallel"  # registered by `make lab`
-CELL_TIMEOUT_S = 300  # as the grader's backstop per cell (grading/nbgrader_config.py)
+CELL_TIMEOUT_S = 300  # a cell's backstop, here and in the grader (grading/nbgrader_config.py)
 QUIET_KERNEL = ["--HistoryManager.hist_file=:memory:", "--IPKernelApp.log_level=ERROR"]  # no start-up notices
 HIDDEN_NOTE = ("Hidden tests run when you submit your work: they try more cases (other world sizes, uneven sizes, "
                "dtypes, bad arguments), so the grade can be lower than this.")
@@ -31,23 +30,16 @@ HIDDEN_NOTE = ("Hidden tests run when you submit your work: they try more cases 
 RUNNING = "CS336_SELFCHECK"
 
 
-class Row(Protocol):
-    cell: str
-    score: float
-    max_score: float
-    reason: str
-
-
 @dataclass
-class Result:
-    """One test cell's outcome: its grade_id (test_<exercise>[_<concern>]), points, and why it failed."""
-    cell: str
+class Score:
+    """One test cell's outcome, here and in the course's gradebook (grading/gradebook.py)."""
+    cell: str  # the test cell's grade_id, test_<exercise>[_<concern>]
     score: float
     max_score: float
-    reason: str = ""
+    reason: str = ""  # why it failed, in one line (empty when it passed)
 
 
-def table(rows: Sequence[Row]) -> list[str]:
+def table(rows: Sequence[Score]) -> list[str]:
     """One line per test: ok or --, its name, its points, and why it failed; then the total."""
     width = max((len(r.cell) for r in rows), default=0)
     lines = []
@@ -66,22 +58,27 @@ def error_reason(output: NotebookNode) -> str:
     return lines[0] if lines else ""
 
 
+def is_test(cell: NotebookNode) -> bool:
+    """A graded test cell: nbgrader's `grade` flag on a cell that is not an answer."""
+    meta = cell.metadata.get("nbgrader", {})
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
 def graded_cells(nb: NotebookNode) -> list[NotebookNode]:
-    """The graded test cells (nbgrader's `grade` flag on a cell that is not an answer), in notebook order."""
-    return [c for c in nb.cells if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("grade")
-            and not c.metadata["nbgrader"].get("solution")]
+    """The graded test cells, in notebook order."""
+    return [c for c in nb.cells if c.cell_type == "code" and is_test(c)]
 
 
-def outcome(cell: NotebookNode) -> Result:
+def outcome(cell: NotebookNode) -> Score:
     """A test cell's result, read from its outputs after it ran: full points unless it shows an error."""
     meta = cell.metadata["nbgrader"]
     points = meta.get("points", 0)
     errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
     if errors:
-        return Result(meta["grade_id"], 0, points, error_reason(errors[0]))
+        return Score(meta["grade_id"], 0, points, error_reason(errors[0]))
     if cell.get("execution_count") is None:
-        return Result(meta["grade_id"], 0, points, "not run: the kernel stopped before this cell")
-    return Result(meta["grade_id"], points, points)
+        return Score(meta["grade_id"], 0, points, "not run: the kernel stopped before this cell")
+    return Score(meta["grade_id"], points, points)
 
 
 def kernel_name(nb: NotebookNode) -> str:
@@ -93,7 +90,7 @@ def kernel_name(nb: NotebookNode) -> str:
     return nb.metadata.get("kernelspec", {}).get("name", "python3")
 
 
-def check(notebook: Path) -> list[Result]:
+def check(notebook: Path) -> list[Score]:
     """Run a copy of `notebook` top to bottom in a fresh kernel (its folder as the working folder; errors do not
     stop it) and return the outcome of each test cell. The file itself is not changed."""
     from nbclient import NotebookClient

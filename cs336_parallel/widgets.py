@@ -20,6 +20,7 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 
 from . import viz
+from .costs import bubble_fraction
 from .schedules import Timeline, simulate
 
 
@@ -108,7 +109,7 @@ class ScheduleExplorer(_Explorer):
         p, m = c["p"], c["m"]
         peaks = " ".join(f"{x:g}" for x in t.peak_in_flight)
         return (f"<b>bubble {t.bubble_fraction:.1%}</b> (GPipe/1F1B closed form (p-1)/(m+p-1) = "
-                f"{(p - 1) / (m + p - 1):.1%}) &nbsp; total time {t.total_time:g} t_F &nbsp; "
+                f"{bubble_fraction(p, m):.1%}) &nbsp; total time {t.total_time:g} t_F &nbsp; "
                 f"peak activations per stage (micro-batches): {peaks} &nbsp; messages: {t.num_messages}")
 
 

@@ -206,7 +206,7 @@ def scoring_config(results: Path) -> Config:
 def is_scored(job: Submission, results: Path) -> bool:
     """Whether this version of the submission's run is already in the gradebook (its autograded notebook written)."""
     marker = runner.result_dir(results, job.assignment, job.student) / "scored"
-    autograded = Path(job.root) / "autograded" / job.student / job.assignment / f"{job.assignment}.ipynb"
+    autograded = gradebook.autograded_notebook(Path(job.root), job.assignment, job.student)
     run = runner.load_run(results, job.assignment, job.student)
     return run is not None and marker.exists() and marker.read_text() == run.key and autograded.exists()
 
@@ -311,8 +311,7 @@ def merge(names: list[str], root: Path, results: Path | None = None) -> int:
     return len(todo)
 
 
-def grade_alone(notebook: Path, name: str, *, use_sandbox: bool,
-                limits: Limits | None = None) -> tuple[list[gradebook.Score], Run | None]:
+def grade_alone(notebook: Path, name: str, *, use_sandbox: bool) -> tuple[list[gradebook.Score], Run | None]:
     """Grade one notebook as assignment `name`, in a throwaway copy of the course, as a class is graded (the tests
     in this process, the kernel isolated when `use_sandbox`): one score per test, and the run (its limit, if one
     stopped it). Raises RuntimeError when the notebook could not be run at all."""
@@ -322,7 +321,7 @@ def grade_alone(notebook: Path, name: str, *, use_sandbox: bool,
         target = root / "submitted" / "me" / name
         target.mkdir(parents=True)
         shutil.copy(notebook, target / f"{name}.ipynb")
-        autograde([name], root, limits=limits, use_sandbox=use_sandbox)
+        autograde([name], root, use_sandbox=use_sandbox)
         return gradebook.scores(name, "me", root), runner.load_run(root / runner.RESULTS, name, "me")
 
 

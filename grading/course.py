@@ -28,13 +28,8 @@ from pathlib import Path
 
 from cs336_parallel import selfcheck
 from grading import classroom, edition, gradebook, gradescope, report, runner
-from grading.gradebook import COURSE, REPO, Score
+from grading.gradebook import COURSE, REPO
 from grading.runner import Limits
-
-
-def print_table(results: list[Score]) -> None:
-    """One line per test: ok or --, its name, its points, and why it failed; then the total."""
-    print("\n".join(selfcheck.table(results)))
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -138,4 +133,4 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "gradescope":
         print(f"wrote {gradescope.build(args.assignment, args.out, root)}: upload it as the assignment's autograder")
     else:
-        print_table(classroom.selfgrade(args.notebook))
+        print("\n".join(selfcheck.table(classroom.selfgrade(args.notebook))))

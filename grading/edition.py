@@ -128,19 +128,20 @@ def masters(course: Path) -> dict[str, nbformat.NotebookNode]:
             for name in gradebook.assignments(course)}
 
 
-def public_text(course: Path, package: Path = REPO / "cs336_parallel") -> str:
+def public_text(nbs: dict[str, nbformat.NotebookNode], package: Path = REPO / "cs336_parallel") -> str:
     """What every learner has anyway: the masters' cells outside their secret blocks (what a student version
     shows), and the package's Python files (common code: its reference models and formulas, its argument checks)."""
-    shown = [SECRET.sub("", cell.source) for nb in masters(course).values() for cell in nb.cells]
+    shown = [SECRET.sub("", cell.source) for nb in nbs.values() for cell in nb.cells]
     return "\n".join([*shown, *(path.read_text() for path in package.rglob("*.py"))])
 
 
 def secret_lines(course: Path) -> dict[str, str]:
     """Every telling line of the masters' solutions and hidden tests, {line: its assignment}: at least MIN_CHARS
     characters once stripped, and nowhere in the `public_text` (a line there, or part of one, tells nothing)."""
-    public = public_text(course)
+    nbs = masters(course)
+    public = public_text(nbs)
     found = {}
-    for name, nb in masters(course).items():
+    for name, nb in nbs.items():
         for block in (block for cell in nb.cells for block in SECRET.findall(cell.source)):
             found.update({line.strip(): name for line in block.splitlines()
                           if len(line.strip()) >= MIN_CHARS and line.strip() not in public})

@@ -24,6 +24,7 @@ from nbgrader.apps import NbGraderAPI
 from nbgrader.plugins import CsvExportPlugin
 from traitlets.config import Config, PyFileConfigLoader
 
+from cs336_parallel.selfcheck import Score
 from grading import verdict
 
 COURSE = Path(__file__).resolve().parent
@@ -189,14 +190,6 @@ def collapse_test_helpers(path: Path) -> None:
 
 
 # -- scores, feedback, export ------------------------------------------------------------------------------------
-
-@dataclass
-class Score:
-    cell: str  # the test cell's grade_id, test_<exercise>[_<concern>]
-    score: float
-    max_score: float
-    reason: str = ""  # why it failed, in one line (empty when it passed)
-
 
 def autograded_notebook(root: Path, name: str, student: str) -> Path:
     return root / "autograded" / student / name / f"{name}.ipynb"

@@ -8,14 +8,6 @@ c = get_config()  # noqa: F821 - nbgrader defines it
 
 c.CourseDirectory.course_id = "cs336-parallel"
 
-# The notebook's cells run in a sandboxed kernel (grading/runner.py); its test cells run in the grader's own
-# process (grading/grader.py). A deadlocked exercise fails its own test after cs336_parallel.checks.hang_timeout_s()
-# (30 s); this limit per cell is the backstop for anything else.
-c.Execute.timeout = 300
-c.Execute.kernel_name = "cs336-parallel"  # registered by `make lab` / `make test`
-# nbgrader's default argument, plus: the kernel's start-up notices stay out of the grader's console.
-c.Execute.extra_arguments = ["--HistoryManager.hist_file=:memory:", "--IPKernelApp.log_level=ERROR"]
-
 # The stub left in place of every solution.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
@@ -33,10 +25,19 @@ try:
         SaveAutoGrades,
     )
 
+    from cs336_parallel import selfcheck
     from grading.verdict import RefuseExecute
 except ImportError as e:  # SystemExit, not an exception: nbgrader would log an exception and grade with defaults
     sys.exit(f"cs336-parallel: the course's grading code could not be imported ({e}); nothing is graded. Grade "
              "from the repository root with `python -m grading autograde` (grading/README.md).")
+
+# The notebook's cells run in a sandboxed kernel (grading/runner.py); its test cells run in the grader's own
+# process (grading/grader.py). A deadlocked exercise fails its own test after cs336_parallel.checks.hang_timeout_s()
+# (30 s); this limit per cell is the backstop for anything else. The kernel and its quiet start as the learner's
+# self-check has them.
+c.Execute.timeout = selfcheck.CELL_TIMEOUT_S
+c.Execute.kernel_name = selfcheck.KERNEL  # registered by `make lab` / `make test`
+c.Execute.extra_arguments = selfcheck.QUIET_KERNEL  # nbgrader's default argument; no start-up notices
 
 # nbgrader's own `autograde` would run the tests in the student's kernel: RefuseExecute stops it. The course's
 # grader (`python -m grading autograde`) executes each notebook itself and puts `Replay` in its place.

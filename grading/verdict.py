@@ -62,15 +62,10 @@ def reaches_in(source: str) -> list[str]:
     return found
 
 
-def _is_test(cell: NotebookNode) -> bool:
-    meta = cell.metadata.get("nbgrader", {})
-    return bool(meta.get("grade")) and not meta.get("solution")
-
-
 def _editable(cell: NotebookNode) -> bool:
     """A code cell a learner may change: answer cells and every cell not restored from the course."""
     meta = cell.metadata.get("nbgrader", {})
-    return cell.cell_type == "code" and not (meta.get("locked") or _is_test(cell))
+    return cell.cell_type == "code" and not (meta.get("locked") or selfcheck.is_test(cell))
 
 
 def reaching(nb: NotebookNode) -> list[str]:
@@ -94,7 +89,7 @@ def reasons(nb: NotebookNode) -> dict[str, str]:
     """The one-line reason of every failed test cell, by grade_id (the first error, else the stderr text)."""
     found = {}
     for cell in nb.cells:
-        if not _is_test(cell):
+        if not selfcheck.is_test(cell):
             continue
         grade_id = cell.metadata["nbgrader"]["grade_id"]
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
@@ -102,5 +97,6 @@ def reasons(nb: NotebookNode) -> dict[str, str]:
         if errors:
             found[grade_id] = selfcheck.error_reason(errors[0])
         elif stderr:
-            found[grade_id] = "wrote to stderr: " + stderr[0].text.strip().splitlines()[0][:200]
-    return {k: re.sub(r"\x1b\[[0-9;]*m", "", v).splitlines()[0] if v else v for k, v in found.items()}
+            first = stderr[0].text.strip().splitlines()[0][:200]
+            found[grade_id] = "wrote to stderr: " + re.sub(r"\x1b\[[0-9;]*m", "", first)
+    return found

@@ -179,7 +179,7 @@ def generic_tampers(ex: Exercise, helpers: set[str], *, kernel_tricks: bool = Tr
     shadowed = sorted(helpers | {"all", "any", "len", "isinstance", "sorted", "abs", "max", "min", "sum", "round",
                                  "simulate", "check_schedule"})
     shadows = "".join(f"def {n}(*args, **kwargs):\n    return True\n\n" for n in shadowed)
-    blocks = [
+    blocks = [] if not kernel_tricks else [
         Block(ex.name, "tamper", "rebinds the checks in the kernel", _stub(ex) + _PATCHES, cleanup=RESTORE),
         Block(ex.name, "tamper", "rebinds the checks while it runs (on the ranks, or in the kernel)", in_call,
               cleanup=RESTORE),
@@ -188,8 +188,6 @@ def generic_tampers(ex: Exercise, helpers: set[str], *, kernel_tricks: bool = Tr
                                                    "globals().update({k: v for k, v in _harness_names.items() "
                                                    f"if k in {shadowed!r}}})\n"),
     ]
-    if not kernel_tricks:
-        blocks = []
     if ex.is_value:  # a value never runs: no code of its own can patch anything while a test uses it
         return [*blocks[:1], *blocks[2:3], Block(ex.name, "tamper", "a value that claims to equal anything",
                                                  _ALWAYS_EQUAL + f"{ex.name} = AlwaysEqual(0.0)\n")]

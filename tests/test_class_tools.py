@@ -41,6 +41,11 @@ def course(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def secrets(course) -> dict[str, str]:
+    return edition.secret_lines(course)
+
+
+@pytest.fixture(scope="module")
 def student_edition(course, tmp_path_factory) -> Path:
     into = tmp_path_factory.mktemp("edition") / "cs336-parallel-class"
     edition.write(into, course)
@@ -68,19 +73,17 @@ def test_the_edition_holds_the_learners_files_and_no_grading_or_tests(student_ed
     assert not list(student_edition.rglob("__pycache__"))
 
 
-def test_no_solution_or_hidden_test_line_of_any_master_is_anywhere_in_the_edition(course, student_edition):
-    secrets = edition.secret_lines(course)
+def test_no_solution_or_hidden_test_line_of_any_master_is_anywhere_in_the_edition(secrets, student_edition):
     assert set(secrets.values()) == set(gradebook.assignments()), "every master has telling lines"
     assert len(secrets) > 100
     assert edition.leaks(student_edition, secrets) == []
 
 
-def test_the_search_finds_a_solution_line_in_a_notebook_and_a_hidden_test_line_in_any_file(course, student_edition,
-                                                                                           tmp_path):
+def test_the_search_finds_a_solution_line_in_a_notebook_and_a_hidden_test_line_in_any_file(course, secrets,
+                                                                                           student_edition, tmp_path):
     master = nbformat.read(course / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", 4)
     solution = next(c.source for c in master.cells if "### BEGIN SOLUTION" in c.source)
     hidden = next(c.source for c in master.cells if "### BEGIN HIDDEN TESTS" in c.source)
-    secrets = edition.secret_lines(course)
     solution_line = next(line.strip() for line in solution.splitlines() if line.strip() in secrets)
     hidden_line = next(line.strip() for line in hidden.splitlines() if line.strip() in secrets)
     copy = tmp_path / "edition"
@@ -234,7 +237,7 @@ def gradescope_results(autograder, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", EXPECTED)
-def test_run_autograder_writes_gradescopes_results(gradescope_results, course, kind):
+def test_run_autograder_writes_gradescopes_results(gradescope_results, secrets, kind):
     results = gradescope_results[kind]
     tests = results["tests"]
     assert [t["name"] for t in tests] == ["shard_range", "shard_range_uneven", "shard_range_arguments"]
@@ -245,7 +248,7 @@ def test_run_autograder_writes_gradescopes_results(gradescope_results, course, k
     assert all((t["output"] == "passed") == (t["score"] == t["max_score"]) for t in tests), tests
     assert "sandbox" in results["output"]
     text = json.dumps(results)
-    assert not [line for line, name in edition.secret_lines(course).items() if name == ASSIGNMENT and line in text]
+    assert not [line for line, name in secrets.items() if name == ASSIGNMENT and line in text]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cs336_parallel import session_cluster
+from cs336_parallel.costs import bubble_fraction
 from cs336_parallel.devices import device
 from cs336_parallel.models import MLPStack
 from cs336_parallel.notebook import load_definitions
@@ -179,7 +180,7 @@ def main(args=None) -> None:
         print(f"step {step}: {measured.total_time:7.1f} ms; bubble measured {measured.bubble_fraction:.3f}, "
               f"simulated {simulated.bubble_fraction:.3f}")
     got, want = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
-    formula = (p - 1) / (m + p - 1)
+    formula = bubble_fraction(p, m)
     verdict = "met" if abs(got - want) <= TARGET else "MISSED"
     print(f"\nmedian bubble fraction: measured {got:.3f}, simulated {want:.3f} (closed form (p-1)/(m+p-1) = "
           f"{formula:.3f}); |difference| = {abs(got - want):.3f} (target <= {TARGET}: {verdict})")
