@@ -30,8 +30,9 @@ PYPROJECT = (ROOT / "pyproject.toml").read_text()
 def dry_run(*args: str, tmp_path: Path) -> str:
     """The commands `make` would run for a fresh environment in tmp_path (nothing is run)."""
     venv_dir = tmp_path / "venv"
-    # Not the variables of a make that runs this suite (`make test-latest` passes LATEST=1 down through MAKEFLAGS).
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    # Not the variables of a make that runs this suite (`make test-latest` passes LATEST=1 down, in MAKEFLAGS and
+    # in the environment).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "LATEST")}
     done = subprocess.run(["make", "-n", *args, f"VENV={venv_dir}"], cwd=ROOT, capture_output=True, text=True,
                           env=env)
     assert done.returncode == 0, done.stderr
