@@ -1,43 +1,38 @@
-"""What the notebooks' tests ask of a learner's code: run it, compare what it returns with ground truth
-computed independently, and look at how it communicated.
+"""How a test asks for a learner's work and judges it: the requests, the data it draws, the comparisons.
 
-A test cell runs on one side of a trust boundary (`boundary`), the exercise on the other. The cell calls the
-exercise, or runs a *driver* of a `%%test_helpers` cell on the ranks with it, and gets plain data back; it
-computes the expected values itself and compares:
+A test cell runs on one side of a trust boundary (`boundary`), the exercise on the other. It draws its data
+itself, from seeds of its own that never cross (`generator`), sends each rank only that rank's share, and
+compares what comes back with ground truth it computes from the same data:
 
-    def run_all_reduce(ring_all_reduce, numel):            # a driver: runs on every rank, returns data
-        x = checks.random_tensor((numel,), seed=dist.get_rank())
-        with checks.count_collectives() as comm:
-            ring_all_reduce(x)
-        return {"x": x, "comm": comm.record()}
+    g = checks.generator()
+    inputs = [checks.random_tensor((1000,), generator=g) for _ in range(4)]
+    got = checks.run(4, collectives.all_reduce_driver, ring_all_reduce, per_rank=[(x,) for x in inputs])
+    for rank, result in enumerate(got):                        # one result per rank, or the test fails
+        checks.assert_close(result["x"], sum(inputs), name="x", rank=rank)
+    checks.assert_received([3000] * 4, "all-reduce of 1000 floats")   # measured outside the ranks
 
-    got = checks.run(4, run_all_reduce, ring_all_reduce, 1000)   # in the test cell: one result per rank
-    expected = sum(checks.random_tensor((1000,), seed=r) for r in range(4))
-    for rank, result in enumerate(got):
-        checks.assert_close(result["x"], expected, name="x", rank=rank)
-        checks.assert_point_to_point(result["comm"], "ring_all_reduce", rank=rank)
-
-Drivers run in the student's processes, so what they observe there (which collectives a rank called, the memory
-it held) is reported as data; the comparisons, and every expected value, stay on the test's side.
+The drivers (`cs336_parallel.testing`) run on the ranks and report what they saw as data (`probes`); the test
+treats that as the rank's word, and checks it against what the grader measures from outside (`last_traffic`).
+Every comparison is counted: a test that compared nothing fails (`testcell`).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .boundary import Boundary, RemoteError, unpack
+from .probes import POINT_TO_POINT
 from .text import shorten
-from .trace import C10D_OPS, FUNCTIONAL_OPS, collective_name, largest_tensor_bytes
+from .trace import collective_name
 
 
 def hang_timeout_s() -> float:
@@ -46,110 +41,29 @@ def hang_timeout_s() -> float:
     return float(os.environ.get("CS336_TEST_TIMEOUT_S", 30.0))
 
 
-POINT_TO_POINT = frozenset({"send", "recv"})  # isend, irecv and batch_isend_irecv call these too
-
-
-@dataclass
-class Call:
-    op: str  # the torch.distributed name, e.g. "all_reduce", "send"
-    nbytes: int  # message size S: the largest tensor the call touches
-    peer: int | None = None  # for send and recv: the other rank (in the group)
-
-
-def _op_name(func) -> str | None:
-    """The torch.distributed name of a communication operator (c10d's or a functional collective), else None."""
-    name = func.__name__.split(".")[0]
-    if func.namespace == "c10d":
-        return C10D_OPS.get(name)
-    if func.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional"):
-        return FUNCTIONAL_OPS.get(name)
-    return None
-
-
-def _sequence_numbers() -> dict:
-    """How many operations each process group of this rank has issued (counted by the group itself, in C++)."""
-    if not dist.is_initialized():
-        return {}
-    from torch.distributed import distributed_c10d
-
-    numbers = {}
-    for group in list(distributed_c10d._world.pg_map):
-        try:
-            numbers[group] = group._get_sequence_number_for_group()
-        except (RuntimeError, AttributeError):  # a backend that keeps no count
-            pass
-    return numbers
-
-
-class CommCounter(TorchDispatchMode):
-    """Records every torch.distributed call made under it (op, bytes, peer); the test decides what is allowed.
-
-    Works at the dispatcher, so it sees `dist.all_reduce` however it was imported, the functional
-    collectives, and the collectives that autograd hooks launch during backward. On leaving the block it
-    compares its count with the process groups' own sequence numbers: `hidden` counts the operations that
-    slipped past the dispatcher (a disabled dispatch mode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[Call] = []
-        self.hidden = 0
-        self._before: dict = {}
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Nothing here is compiled; without this torch wraps the method in torch._disable_dynamo,
-        # whose first call imports torch._dynamo: about 2 s on every rank.
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = _op_name(func)
-        if op is not None:
-            peer = args[2] if op in POINT_TO_POINT and len(args) > 2 and isinstance(args[2], int) else None
-            self.calls.append(Call(op, largest_tensor_bytes(args), peer))
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self) -> CommCounter:
-        self._before = _sequence_numbers()
-        return super().__enter__()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        super().__exit__(exc_type, exc, tb)
-        issued = sum(n - self._before.get(group, 0) for group, n in _sequence_numbers().items())
-        self.hidden = max(0, issued - len(self.calls))
-
-    @property
-    def counts(self) -> Counter:
-        """How many times each op was called, e.g. Counter({"all_reduce": 2})."""
-        return Counter(c.op for c in self.calls)
-
-    def bytes_sent(self) -> int:
-        """Bytes this rank sent with send/isend (what a ring algorithm's cost model counts)."""
-        return sum(c.nbytes for c in self.calls if c.op == "send")
-
-    def record(self) -> dict:
-        """What the test needs, as data: {"calls": [(op, bytes, peer), ...], "hidden": operations not seen}."""
-        return {"calls": [(c.op, c.nbytes, c.peer) for c in self.calls], "hidden": self.hidden}
-
-
-def count_collectives() -> CommCounter:
-    """`with count_collectives() as comm: ...`, then `comm.record()`, `comm.counts`, `comm.bytes_sent()`."""
-    return CommCounter()
-
-
-# -- what a test cell calls: the exercise, across the boundary ----------------------------------------------------
+# -- the requests --------------------------------------------------------------------------------------------
 
 _local = threading.local()
 
 
 @contextmanager
 def using(side: Boundary) -> Iterator[Boundary]:
-    """Route this thread's `run`, `call_each` and `last_traffic` through `side` while a test cell runs."""
-    before = getattr(_local, "boundary", None)
-    _local.boundary = side
+    """Route this thread's requests through `side` while a test cell runs, and count its comparisons."""
+    before = getattr(_local, "boundary", None), getattr(_local, "compared", 0)
+    _local.boundary, _local.compared = side, 0
     try:
         yield side
     finally:
-        _local.boundary = before
+        _local.boundary, _local.compared = before
+
+
+def compared() -> int:
+    """How many comparisons the running test has made."""
+    return getattr(_local, "compared", 0)
+
+
+def count_comparison() -> None:
+    _local.compared = compared() + 1
 
 
 def _boundary() -> Boundary:
@@ -161,20 +75,31 @@ def _boundary() -> Boundary:
     return side
 
 
-def run(world_size: int, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
-    """Run the driver `fn(*args, **kwargs)` on every rank of a fresh CPU cluster (gloo) of `world_size` ranks;
-    one plain result per rank. The exercise goes in `args` (it travels by name); a failure raises `RemoteError`
-    naming the case. `timeout`: seconds before a hang fails the test (default `hang_timeout_s()`)."""
+def run(world_size: int, fn: Callable, *args, per_rank: Sequence[tuple] | None = None, timeout: float | None = None,
+        fresh: bool = False, **kwargs) -> list:
+    """Run the driver `fn(*args, *per_rank[r], **kwargs)` on each rank r of a fresh CPU cluster (gloo) of
+    `world_size` ranks; exactly one plain result per rank, or AssertionError. Each rank receives its own
+    `per_rank` entry only. The exercise goes in `args` (it travels by name); a failure raises `RemoteError` naming
+    the case. `timeout`: seconds before a hang fails the test (default `hang_timeout_s()`). `fresh`: on ranks started
+    anew, that hold nothing of an earlier run (before a run whose memory is measured)."""
+    mine = [tuple(a) for a in per_rank] if per_rank is not None else [()] * world_size
+    if len(mine) != world_size:
+        raise ValueError(f"per_rank holds {len(mine)} entries for {world_size} ranks")
     try:
-        return _boundary().run(world_size, fn, args, kwargs, timeout or hang_timeout_s())
+        results = _boundary().run(world_size, fn, args, kwargs, mine, timeout or hang_timeout_s(), fresh)
     except RemoteError as e:
         e.case = describe_case(world_size, fn, args, kwargs)
         raise
+    if not isinstance(results, list) or len(results) != world_size:
+        count = len(results) if isinstance(results, list) else type(results).__name__
+        raise AssertionError(f"{describe_case(world_size, fn, args, kwargs)}: the notebook replied with {count} "
+                             f"results for {world_size} ranks; a test needs one from each rank")
+    return results
 
 
 def call(fn: Callable, *args, **kwargs):
-    """`fn(*args, **kwargs)` in the notebook's kernel (no ranks): a driver of a `%%test_helpers` cell, with the
-    exercise among its arguments; its plain result. (A test calls a function exercise directly: `name(...)`.)"""
+    """`fn(*args, **kwargs)` in the notebook's kernel (no ranks): a driver of the package, with the exercise among
+    its arguments; its plain result. (A test calls a function exercise directly: `name(...)`.)"""
     try:
         return _boundary().call(fn, args, kwargs)
     except RemoteError as e:
@@ -186,8 +111,12 @@ def call_each(fn: Callable, cases: Iterable[tuple]) -> list:
     """`fn(*case)` for every case, in one request; the plain values in order. The first case that fails raises
     its `RemoteError`, naming the call."""
     cases = [tuple(c) for c in cases]
+    replies = _boundary().call_each(fn, cases)
+    if not isinstance(replies, list) or len(replies) != len(cases):
+        raise AssertionError(f"{_call_text(fn, cases[0] if cases else (), {})}: the notebook replied to "
+                             f"{len(replies) if isinstance(replies, list) else 'none'} of {len(cases)} calls")
     values = []
-    for case, reply in zip(cases, _boundary().call_each(fn, cases), strict=True):
+    for case, reply in zip(cases, replies, strict=True):
         try:
             values.append(unpack(reply))
         except RemoteError as e:
@@ -196,14 +125,33 @@ def call_each(fn: Callable, cases: Iterable[tuple]) -> list:
     return values
 
 
-def last_traffic() -> int | None:
-    """Bytes the ranks of the last `run` moved over their network, measured outside their processes (the grader
-    reads the sandbox's loopback counters); None where that cannot be measured (no sandbox, or in the notebook)."""
+def last_traffic() -> list[list[int]] | None:
+    """After `run`: `m[r][s]`, the bytes rank s received from rank r, measured outside the ranks' processes
+    (`wire`); None where it cannot be measured (the notebook's own ranks on macOS, say)."""
     return _boundary().traffic
 
 
+def last_memory() -> int | None:
+    """After `run`: the most memory the ranks held together during it, above what they held before (bytes),
+    measured outside their processes by the grader's memory cgroup; None where it cannot be measured (in the
+    notebook, or where the grader has no cgroup)."""
+    return _boundary().memory
+
+
+def assert_memory_at_most(limit: float, what: str) -> None:
+    """During the last `run`, the ranks together held at most `limit` bytes more than before it, measured outside
+    their processes. Nothing is checked where memory cannot be measured."""
+    used = last_memory()
+    if used is None:
+        return
+    count_comparison()
+    if used > limit:
+        raise AssertionError(f"{what}: the ranks held {used / 2**20:.1f} MiB more during the call (measured outside "
+                             f"them), more than the {limit / 2**20:.1f} MiB the spec allows")
+
+
 def describe_case(world_size: int, fn: Callable, args: tuple, kwargs: dict) -> str:
-    """`world size 3, run_all_reduce(ring_all_reduce, (13,), torch.int64)`: which case of a test ran."""
+    """`world size 3, all_reduce_driver(ring_all_reduce, ...)`: which case of a test ran."""
     return f"world size {world_size}, {_call_text(fn, args, kwargs)}"
 
 
@@ -218,10 +166,22 @@ def _call_text(fn: Callable, args: tuple, kwargs: dict) -> str:
     return f"{getattr(fn, '__name__', 'check')}({', '.join(shown)})"
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int,
+# -- data ---------------------------------------------------------------------------------------------------------
+
+def generator() -> torch.Generator:
+    """A generator seeded from the system's randomness: the data a test draws from it cannot be predicted by the
+    code it tests (the seed never crosses the boundary)."""
+    return torch.Generator().manual_seed(secrets.randbits(62))
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
+                  generator: torch.Generator | None = None, seed: int | None = None,
                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """Deterministic test data: normal floats, or integers in [-100, 100); different for each seed."""
-    g = torch.Generator().manual_seed(seed)
+    """Test data: normal floats, or integers in [-100, 100); drawn from `generator` (or a fixed `seed`, for data
+    that may be known: a demonstration's)."""
+    if (generator is None) == (seed is None):
+        raise TypeError("random_tensor takes a generator or a seed")
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
         t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     else:
@@ -229,9 +189,9 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
     return t.to(device)
 
 
+# -- comparisons ----------------------------------------------------------------------------------------------
+
 def _where(rank: int | None = None) -> str:
-    if rank is None and dist.is_initialized():
-        rank = dist.get_rank()
     return f"rank {rank}: " if rank is not None else ""
 
 
@@ -239,6 +199,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "r
                  rtol: float | None = None, atol: float | None = None) -> None:
     """`torch.testing.assert_close` (float32 default: rtol 1.3e-6, atol 1e-5; exact for integers), with a
     message that names the rank (`rank`), the tensor and the largest error."""
+    count_comparison()
     where = _where(rank)
     if type(actual) is not torch.Tensor and type(actual) is not torch.nn.Parameter:
         raise AssertionError(f"{where}{name} should be a tensor, got {type(actual).__name__}")
@@ -263,10 +224,26 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "r
     assert_close(actual, expected, name=name, rank=rank, rtol=0.0, atol=0.0)
 
 
+def is_number(value) -> bool:
+    """A number the specs allow: int, float, Fraction (and numpy scalars and Decimals, which arrive as these)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def assert_number(actual, expected, *, name: str, rel: float = 0.0, abs_: float = 0.0) -> None:
+    """`actual` is a number (any kind the spec allows) equal to `expected`, exactly by default, else within `rel`
+    (relative) or `abs_`; the message names it."""
+    count_comparison()
+    if not is_number(actual):
+        raise AssertionError(f"{name} should be a number, got {type(actual).__name__} {shorten(repr(actual), 60)}")
+    if not (actual == expected or math.isclose(actual, expected, rel_tol=rel, abs_tol=abs_)):
+        raise AssertionError(f"{name} is {shorten(str(actual), 40)}, expected {shorten(str(expected), 40)}")
+
+
 def assert_raises(exc_type: type[BaseException], fn: Callable, *args, **kwargs) -> None:
     """Check that `fn(*args, **kwargs)` raises `exc_type` (a bad argument must be refused, not ignored). The blank
     stub's NotImplementedError is raised as it is, so that the test says the exercise is not done yet."""
-    call = _call_text(fn, args, kwargs)
+    count_comparison()
+    call_text = _call_text(fn, args, kwargs)
     try:
         fn(*args, **kwargs)
     except RemoteError as e:
@@ -274,49 +251,47 @@ def assert_raises(exc_type: type[BaseException], fn: Callable, *args, **kwargs) 
             return
         if e.unfilled:
             raise
-        raise AssertionError(f"{call} should raise {exc_type.__name__}, it raised {e.headline}") from None
+        raise AssertionError(f"{call_text} should raise {exc_type.__name__}, it raised {e.headline}") from None
     except exc_type:
         return
-    raise AssertionError(f"{_where(None)}{call} should raise {exc_type.__name__}")
+    raise AssertionError(f"{call_text} should raise {exc_type.__name__}")
 
 
 def assert_each_raises(exc_type: type[BaseException], fn: Callable, cases: Iterable[tuple]) -> None:
     """`assert_raises` for every case, in one request."""
     cases = [tuple(c) for c in cases]
-    for case, reply in zip(cases, _boundary().call_each(fn, cases), strict=True):
-        call = _call_text(fn, case, {})
-        if "ok" in reply:
-            raise AssertionError(f"{call} should raise {exc_type.__name__}")
+    replies = _boundary().call_each(fn, cases)
+    if not isinstance(replies, list) or len(replies) != len(cases):
+        raise AssertionError(f"{_call_text(fn, cases[0] if cases else (), {})}: the notebook did not reply to "
+                             f"each of {len(cases)} calls")
+    for case, reply in zip(cases, replies, strict=True):
+        count_comparison()
+        call_text = _call_text(fn, case, {})
+        if not isinstance(reply, dict) or "error" not in reply:
+            raise AssertionError(f"{call_text} should raise {exc_type.__name__}")
         error = RemoteError(reply["error"])
         if error.unfilled:
-            error.case = call
+            error.case = call_text
             raise error
         if not error.is_a(exc_type):
-            raise AssertionError(f"{call} should raise {exc_type.__name__}, it raised {error.headline}")
-
-
-def outcome(fn: Callable, *args, **kwargs) -> dict:
-    """For a driver: what `fn(*args, **kwargs)` did, as data: {"returned": value} or {"raised": [type names,
-    most derived first], "message": text}. The test decides what it should have done (`assert_raised`)."""
-    try:
-        return {"returned": fn(*args, **kwargs)}
-    except Exception as e:  # noqa: BLE001 - reported, not judged, here
-        return {"raised": [c.__name__ for c in type(e).__mro__ if c not in (object, BaseException)],
-                "message": str(e)[:500]}
+            raise AssertionError(f"{call_text} should raise {exc_type.__name__}, it raised {error.headline}")
 
 
 def assert_raised(result: dict, exc_type: type[BaseException], what: str, *, rank: int | None = None) -> None:
-    """`outcome`'s record says the call raised `exc_type`."""
-    if "raised" not in result:
+    """`probes.outcome`'s record says the call raised `exc_type`."""
+    count_comparison()
+    if not isinstance(result, dict) or "raised" not in result:
         raise AssertionError(f"{_where(rank)}{what} should raise {exc_type.__name__}")
-    if exc_type.__name__ not in result["raised"]:
+    raised = result["raised"] if isinstance(result["raised"], list) else []
+    if exc_type.__name__ not in raised:
         raise AssertionError(f"{_where(rank)}{what} should raise {exc_type.__name__}, it raised "
-                             f"{result['raised'][0]}: {result['message']}")
+                             f"{(raised or ['something else'])[0]}: {result.get('message', '')}")
 
 
 def assert_point_to_point(record: dict, exercise: str, *, rank: int | None = None) -> None:
     """A driver's `CommCounter.record()` shows only send/recv (isend, irecv and batch_isend_irecv call these), and
-    no operation that bypassed the counter."""
+    no operation that bypassed the counter. (The rank's own word: see `assert_pairs` for what is measured.)"""
+    count_comparison()
     for op, _, _ in record["calls"]:
         if op not in POINT_TO_POINT:
             raise AssertionError(f"{_where(rank)}{exercise} called dist.{op}; it may use only send, recv, isend, "
@@ -326,55 +301,106 @@ def assert_point_to_point(record: dict, exercise: str, *, rank: int | None = Non
 
 def assert_nothing_hidden(record: dict, exercise: str, *, rank: int | None = None) -> None:
     """No communication slipped past the counter (a dispatch mode switched off around a collective)."""
+    count_comparison()
     if record["hidden"]:
         raise AssertionError(f"{_where(rank)}{exercise} issued {record['hidden']} communication operation(s) that "
                              "bypassed torch's dispatcher (a disabled dispatch mode?): every call must be visible "
                              "to the test")
 
 
-# Loopback traffic, measured outside the sandbox, against the bytes the drivers say were sent: each message costs
-# bytes of its own (TCP/IP headers, gloo's framing, acknowledgements), measured on the masters of notebook 01.
-WIRE_BYTES_PER_MESSAGE = 512
-WIRE_BYTES_SLACK = 4096
+def collective_counts(record: dict) -> dict[str, int]:
+    """How many times a rank called each collective (a driver's `CommCounter.record()`), with the forms of one
+    collective merged (`all_gather_single` and `all_gather_coalesced` count as `all_gather`)."""
+    merged: Counter = Counter()
+    for op, _, _ in record["calls"]:
+        merged[collective_name(op)] += 1
+    return dict(merged)
 
 
-def assert_wire_agrees(records: list[dict], what: str) -> None:
-    """The bytes the ranks say they sent (their drivers' `CommCounter.record()`s) are the bytes that crossed their
-    network, measured from outside (`last_traffic`): a call hidden from the counters, or one reported but never
-    made, shows up as a difference. Nothing is checked where the traffic cannot be measured."""
-    measured = last_traffic()
-    if measured is None:
+# -- traffic, measured outside the ranks ------------------------------------------------------------------------
+
+# What gloo adds to each message on the wire (its header, the receiver's notice), measured on the masters of 01.
+WIRE_BYTES_PER_MESSAGE = 256
+WIRE_BYTES_SLACK = 2048
+
+
+def assert_received(needed: Sequence[float] | float, what: str) -> None:
+    """During the last `run`, each rank r received at least `needed[r]` bytes from the other ranks, measured
+    outside their processes: a result that needs the others' data cannot come from less. Nothing is checked
+    where the traffic cannot be measured."""
+    traffic = last_traffic()
+    if traffic is None:
         return
-    reported = sum(nbytes for r in records for op, nbytes, _ in r["calls"] if op == "send")
-    messages = sum(1 for r in records for op, _, _ in r["calls"] if op == "send")
-    if not reported <= measured <= reported + messages * WIRE_BYTES_PER_MESSAGE + WIRE_BYTES_SLACK:
-        raise AssertionError(f"{what}: the ranks report sending {reported} bytes in {messages} messages, but "
-                             f"{measured} bytes crossed their network: communication the counters did not see, "
-                             "or that did not happen")
+    count_comparison()
+    n = len(traffic)
+    needed = [needed] * n if isinstance(needed, numbers.Real) else list(needed)
+    for rank in range(n):
+        received = sum(traffic[r][rank] for r in range(n) if r != rank)
+        if received < needed[rank]:
+            raise AssertionError(f"{what}: rank {rank} received {received} bytes from the other ranks, fewer than the "
+                                 f"{needed[rank]:.0f} its result needs: the ranks did not exchange the data")
 
 
-def train_my_share(wrap: Callable, step: Callable, make_model: Callable, make_optimizer: Callable,
-                   batches: list[tuple[torch.Tensor, torch.Tensor]], *, same_init: bool = False) -> dict:
-    """For a driver: train `wrap(make_model(seed))` on this rank's equal share of the rows of every batch, with
-    `step(wrapped, optimizer, my_inputs, my_targets)`; seed = the rank (the ranks start different, and the wrapper
-    must make them agree) or 0 with `same_init`. Returns the wrapped model's `state_dict()` (the test compares it
-    with `train_one_process`'s)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    wrapped = wrap(make_model(0 if same_init else rank))
-    optimizer = make_optimizer(wrapped.parameters())
-    for inputs, targets in batches:
-        if len(inputs) % n:
-            raise ValueError(f"a batch of {len(inputs)} rows does not split evenly over {n} ranks")
-        mine = slice(rank * len(inputs) // n, (rank + 1) * len(inputs) // n)
-        step(wrapped, optimizer, inputs[mine], targets[mine])
-    return dict(wrapped.state_dict())
+def assert_received_together(needed: float, what: str) -> None:
+    """During the last `run`, the ranks together received at least `needed` bytes from each other, measured outside
+    them. Nothing is checked where the traffic cannot be measured."""
+    traffic = last_traffic()
+    if traffic is None:
+        return
+    count_comparison()
+    received = sum(traffic[r][s] for r in range(len(traffic)) for s in range(len(traffic)) if r != s)
+    if received < needed:
+        raise AssertionError(f"{what}: the ranks received {received} bytes from each other (measured outside them), "
+                             f"fewer than the {needed:.0f} the results need: the ranks did not exchange the data")
 
+
+def assert_received_at_most(most: Sequence[float], what: str) -> None:
+    """During the last `run`, each rank r received at most `most[r]` bytes from the other ranks, measured outside
+    them (a rule that limits traffic: a reduce-scatter is not an all-reduce). Nothing is checked where the traffic
+    cannot be measured."""
+    traffic = last_traffic()
+    if traffic is None:
+        return
+    count_comparison()
+    n = len(traffic)
+    for rank in range(n):
+        received = sum(traffic[r][rank] for r in range(n) if r != rank)
+        if received > most[rank]:
+            raise AssertionError(f"{what}: rank {rank} received {received} bytes from the other ranks (measured "
+                                 f"outside them), more than the {most[rank]:.0f} that rule allows")
+
+
+def assert_pairs(expected: dict[tuple[int, int], float], messages: dict[tuple[int, int], int], what: str, *,
+                 spread: float = 0) -> None:
+    """During the last `run`, rank r sent rank s `expected[r, s]` bytes (give or take `spread`) in `messages[r, s]`
+    messages (plus gloo's framing), and nothing to any other rank, measured outside their processes. Nothing is
+    checked where the traffic cannot be measured."""
+    traffic = last_traffic()
+    if traffic is None:
+        return
+    count_comparison()
+    n = len(traffic)
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            want, count = expected.get((src, dst), 0), messages.get((src, dst), 0)
+            got = traffic[src][dst]
+            low, high = want - spread, want + spread + count * WIRE_BYTES_PER_MESSAGE + WIRE_BYTES_SLACK
+            if not low <= got <= high:
+                raise AssertionError(f"{what}: rank {dst} received {got} bytes from rank {src} (measured outside the "
+                                     f"ranks), expected {want:.0f}" + (f" in {count} messages" if count else ""))
+
+
+# -- training and shards ----------------------------------------------------------------------------------------
 
 def train_one_process(make_model: Callable, make_optimizer: Callable, loss_fn: Callable,
-                      batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """The ground truth of data parallelism, on the test's side: `make_model(0)` trained in this process, one
-    optimizer step per whole batch on `loss_fn(outputs, targets)`; its `state_dict()`."""
-    model = make_model(0)
+                      batches: list[tuple[torch.Tensor, torch.Tensor]], state: dict | None = None) -> dict:
+    """The ground truth of data parallelism, on the test's side: `make_model()` (with `state` loaded, if given)
+    trained in this process, one optimizer step per whole batch on `loss_fn(outputs, targets)`; its `state_dict()`."""
+    model = make_model()
+    if state is not None:
+        model.load_state_dict(state)
     optimizer = make_optimizer(model.parameters())
     for inputs, targets in batches:
         optimizer.zero_grad()
@@ -394,23 +420,15 @@ def assert_state_close(actual: dict, expected: dict, *, what: str, rank: int | N
         assert_close(actual[name], tensor, name=f"{name} {what}", rank=rank, rtol=rtol, atol=atol)
 
 
-def collective_counts(comm: CommCounter) -> dict[str, int]:
-    """`comm.counts` with the forms of one collective merged (`all_gather_single` and `all_gather_coalesced`
-    count as `all_gather`), so a test accepts whichever form a learner called."""
-    merged: Counter = Counter()
-    for op, n in comm.counts.items():
-        merged[collective_name(op)] += n
-    return dict(merged)
-
-
-def assert_shards_close(shards: list[dict], reference: torch.nn.Module, *, ranks: Iterable[int] | None = None,
-                        sum_replicated_grads: bool = False, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+def assert_shards_close(shards: list[dict], reference: torch.nn.Module, split: dict[str, int | None], *,
+                        ranks: Iterable[int] | None = None, sum_replicated_grads: bool = False, rtol: float = 1e-5,
+                        atol: float = 1e-5) -> None:
     """On the test's side: the ranks of one group hold their shards of `reference`, after the same backward.
 
     `shards[i]` is what the group's i-th rank reported of its module, each parameter by name:
-    `{name: {"value": tensor, "grad": tensor or None}}`. Each must be that rank's shard of `reference`'s parameter
-    of the same name: the whole of it where the shapes agree, else slice i of `len(shards)` equal slices along the
-    one dimension where they differ. Values must be equal; gradients close (rtol, atol).
+    `{name: {"value": tensor, "grad": tensor or None}}`. `split[name]` says how the spec shards that parameter:
+    along dimension d (rank i holds slice i of `len(shards)` equal slices), or None (every rank holds all of it).
+    Values must be equal; gradients close (rtol, atol).
 
     With `sum_replicated_grads`, the gradients of whole (replicated) parameters are summed over the group first:
     under sequence parallelism each rank's copy saw only its own part of the sequence. `ranks` are the ranks'
@@ -423,21 +441,23 @@ def assert_shards_close(shards: list[dict], reference: torch.nn.Module, *, ranks
             raise AssertionError(f"{_where(rank)}the parameters are named {names}, the reference's "
                                  f"{sorted(expected)}")
     for name, ref in expected.items():
+        dim = split[name]
         replicated = []  # the gradients of a whole parameter, rank by rank
         for i, (rank, mine) in enumerate(zip(ranks, shards, strict=True)):
             value, grad = mine[name]["value"], mine[name]["grad"]
-            dims = [d for d in range(ref.dim()) if value.dim() == ref.dim() and value.shape[d] != ref.shape[d]]
-            sliced = len(dims) == 1 and ref.shape[dims[0]] == size * value.shape[dims[0]]
-            if value.dim() != ref.dim() or (dims and not sliced):
-                raise AssertionError(f"{_where(rank)}{name} has shape {tuple(value.shape)}: not the whole of the "
-                                     f"reference's {tuple(ref.shape)} nor 1/{size} of it along one dimension")
             expected_value, expected_grad = ref.detach(), ref.grad
-            if dims:  # this rank's slice
-                expected_value, expected_grad = (t.chunk(size, dims[0])[i] for t in (expected_value, expected_grad))
+            if dim is not None:
+                expected_value = expected_value.chunk(size, dim)[i]
+                expected_grad = None if expected_grad is None else expected_grad.chunk(size, dim)[i]
+            if not isinstance(value, torch.Tensor) or value.shape != expected_value.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                kind = f"slice {i} of {size} along dimension {dim}" if dim is not None else "the whole parameter"
+                raise AssertionError(f"{_where(rank)}{name} has shape {shape}: it should be {kind}, "
+                                     f"{tuple(expected_value.shape)}")
             assert_equal(value, expected_value, name=name, rank=rank)
             if grad is None:
                 raise AssertionError(f"{_where(rank)}{name} has no gradient")
-            if dims or not sum_replicated_grads:
+            if dim is not None or not sum_replicated_grads:
                 assert_close(grad, expected_grad, name=f"{name}.grad", rank=rank, rtol=rtol, atol=atol)
             else:
                 replicated.append(grad)

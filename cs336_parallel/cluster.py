@@ -144,6 +144,15 @@ class Cluster:
         results = self._request(("call", fn, tuple(args), kwargs or {}), ranks, self._timeout(timeout))
         return [results[r] for r in sorted(results)]
 
+    def call_each_rank(self, fn: Callable, per_rank: Sequence[tuple], *, timeout: Timeout = "cluster") -> list:
+        """`fn(*per_rank[r])` on each rank r: each rank is sent its own arguments only; one result per rank."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
+        if len(per_rank) != self.world_size or not all(isinstance(a, tuple) for a in per_rank):
+            raise TypeError(f"per_rank must hold one tuple of arguments for each of the {self.world_size} ranks")
+        results = self._request([("call", fn, args, {}) for args in per_rank], None, self._timeout(timeout))
+        return [results[r] for r in sorted(results)]
+
     def run_cell(self, source: str, *, filename: str | None = None, pushed: dict | None = None,
                  ranks: Sequence[int] | None = None, timeout: Timeout = "cluster") -> None:
         """Execute `source` on each rank in the rank's persistent namespace (pre-seeded with torch,
@@ -158,14 +167,16 @@ class Cluster:
     def _timeout(self, timeout: Timeout) -> float | None:
         return self.timeout if isinstance(timeout, str) and timeout == "cluster" else check_timeout(timeout)
 
-    def _request(self, request: tuple, ranks: Sequence[int] | None, timeout: float | None) -> dict:
-        """Send `request` to the selected ranks and collect their replies. Everything that can be refused
-        is refused before anything is sent; once it is sent, the ranks are replaced unless every reply
-        came back, whatever interrupts the wait."""
+    def _request(self, request: tuple | list[tuple], ranks: Sequence[int] | None, timeout: float | None) -> dict:
+        """Send `request` (or a list of them: one per rank) to the selected ranks and collect their replies.
+        Everything that can be refused is refused before anything is sent; once it is sent, the ranks are replaced
+        unless every reply came back, whatever interrupts the wait."""
         selected = select_ranks(ranks, self.world_size)
         with self._lock:
             self._request_id += 1
-            payload = protocol.encode(self._request_id, request)  # fails here if it cannot be shipped
+            each = request if isinstance(request, list) else [request] * self.world_size
+            shared = {id(r): protocol.encode(self._request_id, r) for r in each}  # fails here if it cannot be shipped
+            payloads = [shared[id(r)] for r in each]
             self.start()
             output = CallOutput(_print)
             self._check_health(output)
@@ -174,7 +185,7 @@ class Cluster:
             try:
                 for r in targets:
                     with contextlib.suppress(OSError):  # a rank that just died: the wait below says how
-                        r.conn.send_bytes(payload)
+                        r.conn.send_bytes(payloads[r.rank])
                 outcome = self._collect(targets, timeout, self._request_id, output)
                 self._processes.needs_replacing = bool(outcome.stuck)
                 return self._conclude(outcome, timeout, output)

@@ -2,7 +2,8 @@
 notebooks state about the same run agrees.
 
 - `bubble_fraction`: the share of a pipelined step its stages sit idle, of the whole step (notebook 05's convention);
-- `dp_exposed_s`: the part of data parallelism's gradient reduction that no computation hides;
+- `dp_exposed_s`: the part of data parallelism's gradient reduction that no computation hides (with interleaved
+  stages, per chunk);
 - `ep_bytes_per_token`: what expert parallelism moves for one token through one MoE layer, between nodes and inside
   them, as DeepSeek-V3 routes and sends tokens.
 """
@@ -41,16 +42,35 @@ def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1, sch
 BACKWARD_SHARE = 2 / 3  # of a micro-batch's computation: the backward does twice the forward's FLOPs
 
 
-def dp_exposed_s(reduce_s: float, compute_s: float, num_microbatches: int) -> float:
+def dp_exposed_s(reduce_s: float, compute_s: float, num_microbatches: int, *, virtual_stages: int = 1,
+                 pp: int = 1) -> float:
     """Seconds of data parallelism's gradient reduction (`reduce_s`) left exposed in a step of `compute_s` seconds
-    of computation over `num_microbatches` micro-batches.
+    of computation over `num_microbatches` micro-batches, on a pipeline of `pp` stages of `virtual_stages` chunks.
 
-    A gradient is final only after the last micro-batch's backward through its layer, so the reduction can
-    overlap that backward alone (two thirds of one micro-batch's computation), however many micro-batches the
-    step accumulates."""
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    return max(0.0, reduce_s - BACKWARD_SHARE * compute_s / num_microbatches)
+    A gradient is final only after the last micro-batch's backward through its layer, so however many micro-batches
+    the step accumulates, the reduction can overlap that backward alone (two thirds of one micro-batch's
+    computation), and only if it runs in buckets, layer by layer, while the backward produces them (notebook 02).
+    Reduced in one piece after the backward, none of it would hide.
+
+    The model, with v chunks per stage (interleaved 1F1B when v > 1): each chunk's gradients are reduced in buckets
+    while the last micro-batch's backward through that chunk runs, the chunks in turn on one link. The last
+    micro-batches go back through chunk v-1 first and chunk 0 last, p of them per chunk, so chunk c's share
+    (reduce_s / v) can start c p + 1 chunk-backwards before the end of the step: the other chunks' reductions hide
+    under the backwards that follow, and chunk 0's share has its own last backward to hide under. Exposed is the
+    larger of what that leaves of chunk 0's share and, when the link cannot keep up and the shares queue, what the
+    backwards from chunk v-1's start on leave of the whole reduction. Megatron-LM keeps buckets for chunk 0 only
+    (`disable_bucketing=(model_chunk_idx > 0)` in `get_model`, megatron/training/training.py) and reduces each other
+    chunk in one piece after its last backward, which starts chunk v-1's share one chunk-backward later: only the
+    queueing term would change. NeMo's communication-overlap guide counts chunk 0's share exposed in full ("exposes
+    only one DP communication chunk", one virtual stage's layers with pipelining). The idle time of the cool-down,
+    which would hide more, is left out."""
+    m, v = num_microbatches, virtual_stages
+    if min(m, v, pp) < 1:
+        raise ValueError(f"num_microbatches, virtual_stages and pp must be >= 1, got {m}, {v}, {pp}")
+    chunk_backward = BACKWARD_SHARE * compute_s / (m * v)  # one micro-batch's backward through one chunk
+    # Chunk c's reduction (reduce_s / v) starts with its last backward, c p + 1 chunk-backwards before the end; one
+    # link reduces the chunks in turn, so the exposed time is largest counted from chunk v - 1 or from chunk 0.
+    return max(0.0, reduce_s / v - chunk_backward, reduce_s - ((v - 1) * pp + 1) * chunk_backward)
 
 
 def ep_bytes_per_token(hidden: int, top_k: int, ep: int, ranks_per_node: int, *, max_nodes: int | None = None,

@@ -26,8 +26,13 @@ RESTARTED = "The cluster restarts before the next call (per-rank variables are r
 OTHER_FAILURE_CHARS = 150  # each further failing rank gets one line of at most this many characters
 
 
+cell_names: dict[str, str] = {}  # a notebook's cells by file name, where this process is not its kernel
+
+
 def _cell_name(filename: str) -> str:
     """`Cell In[5]` for a notebook cell's file name, the file name otherwise."""
+    if filename in cell_names:
+        return cell_names[filename]
     try:
         ip = get_ipython()  # type: ignore[name-defined]  # noqa: F821
         count = ip.compile._filename_map.get(filename)

@@ -1,5 +1,5 @@
 """`%cluster` and `%%ranks`: start a group of ranks from a notebook and run cells on every rank. Also the test
-cells' magics (`%%test`, `%%test_helpers`, cs336_parallel.testcell), `%grade`, and `%cs336_call`, by which the
+cells' magic (`%%test`, cs336_parallel.testcell), `%grade`, and `%cs336_call`, by which the
 grader's process reaches the exercises in this kernel (cs336_parallel.boundary)."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import testcell
-from .boundary import RESULT_MIME
 from .cluster import Cluster, set_session_cluster
 from .errors import unfilled_exercise_hint
 
@@ -70,7 +69,7 @@ def explain_unfilled_exercise(shell, etype, value, tb, tb_offset=None) -> list[s
 def grade_command(notebook: str, repository: Path = REPOSITORY) -> tuple[list[str], Path]:
     """What `%grade` runs, and where: the hidden tests where the course's repository holds them (grading/), else
     (a student edition, a hosted install) the notebook's visible tests (cs336_parallel.selfcheck)."""
-    if (repository / "grading" / "course.py").exists():
+    if (repository / "grading" / "cli.py").exists():
         return [sys.executable, "-m", "grading", "selfgrade", notebook], repository
     return [sys.executable, "-m", "cs336_parallel.selfcheck", notebook], Path(notebook).parent
 
@@ -145,20 +144,26 @@ class ClusterMagics(Magics):
         if not names:
             raise UsageError("%%test needs the name of the exercise it tests, e.g. %%test ring_all_reduce")
         testcell.run_in_notebook("\n" + cell, names, self.shell.user_ns, filename=f"<test of {' '.join(names)}>",
-                                 is_cell=self._is_cell)
+                                 is_cell=self._is_cell, cell_name=self._cell_name)
 
     @line_magic
     @no_var_expand  # the request is data: IPython's $name expansion would only cost time
     def cs336_call(self, line: str) -> None:
-        """%cs336_call REQUEST: a request from the grader's process (cs336_parallel.boundary), answered with a
-        display of plain data. Not for learners: the grader sends it while it grades this notebook."""
-        reply = testcell.kernel_side(self.shell.user_ns, self._is_cell).serve(line.strip())
-        from IPython.display import publish_display_data
+        """%cs336_call REPLY_FILE REQUEST: a request from the grader's process (cs336_parallel.boundary), answered in
+        REPLY_FILE as plain data. Not for learners: the grader sends it while it grades this notebook."""
+        from .kernel_side import KernelSide
 
-        publish_display_data({RESULT_MIME: reply})
+        path, _, payload = line.strip().partition(" ")
+        reply = KernelSide(self.shell.user_ns, self._is_cell, self._cell_name).serve(payload)
+        with open(path + ".tmp", "wb") as f:
+            f.write(reply)
+        os.replace(path + ".tmp", path)
 
     def _is_cell(self, filename: str) -> bool:
         return filename in self.shell.compile._filename_map
+
+    def _cell_name(self, filename: str) -> str:
+        return f"Cell In[{self.shell.compile._filename_map.get(filename, '?')}]"
 
     @line_magic
     def grade(self, line: str) -> None:
@@ -184,11 +189,6 @@ class ClusterMagics(Magics):
                 print(output, end="", flush=True)
         if grader.returncode:
             raise UsageError(f"grading stopped with exit code {grader.returncode} (its output is above)")
-
-    @cell_magic
-    def test_helpers(self, line: str, cell: str) -> None:
-        """%%test_helpers: a read-only cell of drivers and checks that later %%test cells share (testcell)."""
-        testcell.define_helpers("\n" + cell, testcell.helpers, filename=f"<test helpers {self.shell.execution_count}>")
 
     def _require(self) -> Cluster:
         if self.cluster_ is None:

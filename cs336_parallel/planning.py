@@ -1,8 +1,8 @@
 """The records of notebook 07's planner: a model, a cluster and a layout (the question), and a plan (the answer).
 
 They hold data and check it; they plan nothing (the notebook's exercises do). They live in the package so that a
-plan is a value a test can trust: the grader rebuilds the package's dataclasses from their fields
-(`boundary.from_plain`), so a plan's `fits`, `step_s` and `mfu` are always these properties, computed from its
+plan is a value a test can trust: the grader rebuilds the records on `plain.REGISTRY` from their fields
+(`plain.decode`), so a plan's `fits`, `step_s` and `mfu` are always these properties, computed from its
 numbers. The cost formulas 07 shares with notebook 09 are in `costs`.
 
 Defaults are datasheet figures, each with its source: the H100 SXM datasheet (989 dense BF16 TFLOP/s, 80 GB,
@@ -165,3 +165,4 @@ class Plan:
     def mfu(self) -> float:
         """Model FLOPs utilization: the model's FLOP/s per GPU as a fraction of the GPU's peak."""
         return self.model_flops_per_gpu / (self.step_s * self.peak_flops)
+

@@ -156,6 +156,18 @@ class RankProcesses:
             _swept = True
         ctx = rank_server.context()  # torch is imported once, in the server
         try:
+            self._fork_all(ctx)
+        except (ConnectionRefusedError, FileNotFoundError):
+            # The server is on its way out (an earlier start failed half way through handing it a rank): once it
+            # has exited, multiprocessing starts a new one.
+            self.kill()
+            rank_server.await_exit()
+            self._fork_all(ctx)
+        self.needs_replacing = False
+
+    def _fork_all(self, ctx) -> None:
+        """Fork every rank, or none: a failure kills those already forked."""
+        try:
             self.dir, self._dir_lock = rank_server.private_dir()
             store = os.path.join(self.dir, "store")  # a file only this user can open: no port for strangers
             for rank in range(self.world_size):
@@ -163,7 +175,6 @@ class RankProcesses:
         except BaseException:
             self.kill()
             raise
-        self.needs_replacing = False
 
     def _fork(self, ctx, rank: int, store: str) -> RankProcess:
         stack = os.path.join(self.dir, f"rank{rank}.stack")

@@ -52,3 +52,15 @@ def open_fds() -> int:
         with contextlib.suppress(OSError):
             return len(os.listdir(folder))
     return 0
+
+
+PRIVATE = "CS336_PRIVATE_RANKS"  # set by the grader's rank host: each rank keeps its memory to itself
+
+
+def keep_private() -> None:
+    """No other process of this user may read this one's memory or take its files (Linux: not "dumpable"); only
+    a process allowed to trace any process here (root, or the owner of this sandbox's user namespace) still may."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0

@@ -44,6 +44,15 @@ def warm_up() -> None:
     forkserver.ensure_running()
 
 
+def await_exit(timeout: float = 10.0) -> None:
+    """Wait until the server this process started has exited (a zombie, not reaped: multiprocessing reaps it and
+    starts a new one at the next fork)."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    deadline = time.monotonic() + timeout
+    while pid and procfs.state(pid) not in ("Z", None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def private_dir() -> tuple[str, int]:
     """A new folder only this user can open, and the descriptor of its owner lock, held while it is in use.
 

@@ -11,11 +11,16 @@ argument, never a global (None: the default group):
 | `scatter_to_tp_region` | keep my slice, last dim | all-gather |
 | `gather_from_sequence_parallel_region` | all-gather, dim 1 | reduce-scatter |
 | `reduce_scatter_to_sequence_parallel_region` | reduce-scatter, dim 1 | all-gather |
+| `send_to_next_rank` (a ring step) | send to rank r + 1 | send the gradient to rank r - 1 |
 
-(Shoeybi et al. 2019, "Megatron-LM", section 3; Korthikanti et al. 2022 for the sequence-parallel pair.)
+(Shoeybi et al. 2019, "Megatron-LM", section 3; Korthikanti et al. 2022 for the sequence-parallel pair; ring
+attention's step, Liu et al. 2023, for context parallelism.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -65,6 +70,8 @@ def reduce_from_tp_region(x: Tensor, group: ProcessGroup | None = None) -> Tenso
 def _all_gather(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Every rank's `x`, concatenated along `dim` in rank order."""
     n = dist.get_world_size(group)
+    # A flat output: gloo refuses a stacked (n, *x.shape) one ("invalid tensor size"), which PyTorch's documentation
+    # of all_gather_into_tensor (all_gather_single) allows and NCCL takes.
     flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
     dist.all_gather_single(flat, x.reshape(-1), group=group)  # rank r's piece at [r * numel, (r+1) * numel)
     return torch.cat(flat.view(n, *x.shape).unbind(0), dim=dim)
@@ -164,3 +171,56 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup | 
 def shard(t: Tensor, dim: int, group: ProcessGroup | None = None) -> Tensor:
     """A copy of this rank's contiguous 1/n of `t` along `dim` (n = the size of `group`)."""
     return _my_slice(t.detach(), dim, group).clone()
+
+
+# -- the ring step of context parallelism ------------------------------------------------------------------------
+
+def _ring_exchange(x: Tensor, step: int, group: ProcessGroup | None) -> Tensor:
+    """Send `x` to rank r + step and return what rank r - step sent (ranks within `group`)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(r + step) % n),  # both at once: no deadlock
+           dist.P2POp(dist.irecv, received, group=group, group_peer=(r - step) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+class SendToNextRank(torch.autograd.Function):
+    """Ring step: forward passes `x` to the next rank; backward passes the gradient to the previous one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        return _ring_exchange(x, +1, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _ring_exchange(grad, -1, ctx.group), None
+
+
+_ring_steps: list[list] = []  # the lists of `recording_ring_steps` blocks now open
+
+
+def send_to_next_rank(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """Rank r's `x` goes to rank r + 1; returns rank r - 1's. Backward runs the ring the other way."""
+    received = SendToNextRank.apply(x, group)
+    for steps in _ring_steps:
+        steps.append(received.grad_fn)
+    return received
+
+
+@contextmanager
+def recording_ring_steps() -> Iterator[list]:
+    """`with recording_ring_steps() as steps:`: the autograd node of each `send_to_next_rank` made in the block.
+
+    Backward sends a block's gradient back only if the block was used: before it runs backward, a test checks that
+    the ranks' outputs leave out the same steps, where one left out by one rank only would leave its neighbour
+    waiting forever."""
+    steps: list = []
+    _ring_steps.append(steps)
+    try:
+        yield steps
+    finally:
+        _ring_steps.remove(steps)

@@ -27,6 +27,7 @@ they were sent, as NCCL and untagged gloo match them. Pure Python: no torch need
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,11 @@ def _where(stage: int, index: int, action: Action) -> str:
 
 # -- the checker --------------------------------------------------------------------------------
 
+def _is_integer(x) -> bool:
+    """An integer of any kind (a numpy integer too, as `np.arange` gives), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_actions(schedule: Sequence[Sequence[Action]], m: int) -> list[dict]:
     """Every action well formed, each kind once, F before B/BW before W; returns per stage
     {(microbatch, chunk): kinds seen}."""
@@ -163,9 +169,9 @@ def _check_actions(schedule: Sequence[Sequence[Action]], m: int) -> list[dict]:
                 raise ValueError(f"stage {s}, action {i}: {a!r} is not an Action(kind, microbatch, chunk)")
             if a.kind not in KINDS:
                 raise ValueError(f"{_where(s, i, a)}: kind must be one of {', '.join(KINDS)}, got {a.kind!r}")
-            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < m:
+            if not _is_integer(a.microbatch) or not 0 <= a.microbatch < m:
                 raise ValueError(f"{_where(s, i, a)}: micro-batch must be in 0..{m - 1} (num_microbatches={m})")
-            if not isinstance(a.chunk, int) or a.chunk < 0:
+            if not _is_integer(a.chunk) or a.chunk < 0:
                 raise ValueError(f"{_where(s, i, a)}: chunk must be an integer >= 0")
             done = seen.setdefault((a.microbatch, a.chunk), set())
             if a.kind in done or (a.kind in ("B", "BW") and done & {"B", "BW"}) or (a.kind == "W" and "BW" in done):
@@ -312,7 +318,7 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_microbatches: int, 
     with receives that wait (and, with `blocking_sends=True`, sends that wait for their receiver, as
     `dist.send` does) finishes without a deadlock. With `layout="bidirectional"` (DualPipe's) each
     micro-batch runs on one chunk, the one of its direction, and receives may come in any order."""
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if not _is_integer(num_microbatches) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
     if not _is_list(schedule) or not schedule or not all(_is_list(actions) for actions in schedule):
         raise ValueError("schedule must be a non-empty list with one list of actions per stage")

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 from nbformat.notebooknode import NotebookNode
+
+from .text import printable
 
 KERNEL = "cs336-parallel"  # registered by `make lab`
 CELL_TIMEOUT_S = 300  # a cell's backstop, here and in the grader (grading/nbgrader_config.py)
@@ -54,19 +55,28 @@ def table(rows: Sequence[Score]) -> list[str]:
 def error_reason(output: NotebookNode) -> str:
     """The one-line reason an error output gives: a failed test's own line, else `Name: message`."""
     reason = output.evalue if output.ename == "TestFailed" else f"{output.ename}: {output.evalue}".strip(": ")
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", reason).splitlines()
+    lines = printable(reason, keep_newlines=True).splitlines()
     return lines[0] if lines else ""
 
 
+def test_names(cell: NotebookNode) -> list[str] | None:
+    """The exercises a test cell tests, from its `%%test NAME ...` header; None for any other cell. This is what a
+    test cell is, everywhere: the learner's kernel runs it as `%%test`, the grader in its own process (when its
+    source is one of the master's), and nbgrader scores it (its `grade` flag gives the points)."""
+    if cell.cell_type != "code":
+        return None
+    head = cell.source.split("\n", 1)[0].split()
+    return head[1:] if head[:1] == ["%%test"] and len(head) > 1 else None
+
+
 def is_test(cell: NotebookNode) -> bool:
-    """A graded test cell: nbgrader's `grade` flag on a cell that is not an answer."""
-    meta = cell.metadata.get("nbgrader", {})
-    return bool(meta.get("grade")) and not meta.get("solution")
+    """A test cell (`test_names`)."""
+    return test_names(cell) is not None
 
 
 def graded_cells(nb: NotebookNode) -> list[NotebookNode]:
     """The graded test cells, in notebook order."""
-    return [c for c in nb.cells if c.cell_type == "code" and is_test(c)]
+    return [c for c in nb.cells if is_test(c) and c.metadata.get("nbgrader", {}).get("grade")]
 
 
 def outcome(cell: NotebookNode) -> Score:

@@ -1,33 +1,33 @@
 """`%%test NAME`: a test cell, and how it runs on either side of the trust boundary.
 
     %%test ring_all_reduce
-    got = checks.run(4, run_all_reduce, ring_all_reduce, 1000)
-    expected = sum(checks.random_tensor((1000,), seed=r) for r in range(4))
-    for rank, result in enumerate(got):
-        checks.assert_close(result["x"], expected, name="x", rank=rank)
+    from cs336_parallel.testing.collectives import check_all_reduce
+    check_all_reduce(ring_all_reduce, 4, (1000,), torch.float32)
 
 A test cell's code is the test's own. It reaches the exercise `NAME` only through a handle (`boundary.Exercise`):
-calling it, or running a driver on the ranks with it (`checks.run`), is a request that returns plain data, which
-the test compares with values it computes itself. It runs in a namespace of its own: the builtins, `torch`,
-`dist`, `nn`, `F`, `math`, `checks`, what the `%%test_helpers` cells defined, and a handle (or the plain value) of
-each exercise it names. Nothing else of the notebook's reaches it. It fails with one line that says which case
-failed, then the frames of the learner's own code; the test's code is never shown.
+calling it, or running a driver of the package on the ranks with it (`checks.run`), is a request that returns plain
+data, which the test compares with values it computes itself from data it drew. It runs in a namespace of its own:
+the builtins, `torch`, `dist`, `nn`, `F`, `math`, `checks`, what it imports (the package's test code,
+`cs336_parallel.testing`), and a handle (or the plain value) of each exercise it names. Nothing of the notebook's
+reaches it. Each `assert` it runs and each comparison of `checks` counts: a test that compared nothing fails. It
+fails with one line that says which case failed, then the frames of the learner's own code; the test's code is
+never shown.
 
 Where it runs:
-- in the notebook, the learner's loop: in the kernel, through `InProcess` (the student version's visible tests);
-- when a notebook is graded: in the grader's process (grading/grader.py), which holds the hidden tests and sends
-  each request to the sandboxed kernel. A kernel asked to run a `%%test` cell while it is being graded refuses:
-  the grader's configuration did not load, and no test is trusted there.
+- in the notebook, the learner's loop: in the kernel, through `kernel_side.InProcess` (the visible tests);
+- when a notebook is graded: in the grader's process (grading/grader.py), which holds the hidden tests. A kernel
+  asked to run a `%%test` cell while it is being graded refuses: the grader's configuration did not load, and no
+  test is trusted there.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
-from .boundary import Boundary, Exercise, InProcess, KernelSide, RemoteError
+from .boundary import Boundary, Exercise, RemoteError
 from .text import RedTraceback, shorten
 
 MAX_REASON = 400  # characters of the one-line reason
@@ -67,15 +67,7 @@ def base_namespace(builtin_names: dict | None = None) -> dict:
             "torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "checks": checks}
 
 
-def define_helpers(source: str, helpers: dict, *, filename: str, builtin_names: dict | None = None) -> None:
-    """Run a read-only `%%test_helpers` cell: what it defines joins `helpers`, which every later test cell sees
-    (and nothing else: its drivers run on the ranks, its checks in the test)."""
-    namespace = base_namespace(builtin_names) | helpers
-    exec(compile(source, filename, "exec"), namespace)
-    helpers.update({k: v for k, v in namespace.items() if not k.startswith("__")})
-
-
-def run_test(source: str, names: Sequence[str], *, boundary: Boundary, helpers: dict, filename: str,
+def run_test(source: str, names: Sequence[str], *, boundary: Boundary, filename: str,
              builtin_names: dict | None = None) -> None:
     """Run a test cell's `source` for the exercises `names` across `boundary`; raise `TestFailed` if it fails."""
     try:
@@ -89,16 +81,31 @@ def run_test(source: str, names: Sequence[str], *, boundary: Boundary, helpers: 
     if missing:
         raise TestFailed(f"{_listed(missing)} is not defined: run the cell that defines it, then this one.")
     handles = {n: found[n].get("value") if kinds[n] == "value" else Exercise(n, boundary, kinds[n]) for n in names}
-    namespace = base_namespace(builtin_names) | helpers | handles
+    namespace = base_namespace(builtin_names) | handles | {"__count_comparison__": checks.count_comparison}
     try:
         with checks.using(boundary):
-            exec(compile(source, filename, "exec"), namespace)
+            exec(compile(counting_asserts(source, filename), filename, "exec"), namespace)
+            if not checks.compared():
+                raise TestFailed("the test compared nothing: no result came back to compare")
     except KeyboardInterrupt:
         raise
     except TestFailed:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the test's verdict
         raise TestFailed(*explain(exc, names)) from None
+
+
+class _CountAsserts(ast.NodeTransformer):
+    """`assert test, message` -> `__count_comparison__()` then the assert: every assert a test runs counts."""
+
+    def visit_Assert(self, node: ast.Assert) -> list[ast.stmt]:
+        count = ast.Expr(ast.Call(ast.Name("__count_comparison__", ast.Load()), [], []))
+        return [ast.copy_location(count, node), node]
+
+
+def counting_asserts(source: str, filename: str) -> ast.Module:
+    """A test cell's code, parsed, with each `assert` counted as a comparison."""
+    return ast.fix_missing_locations(_CountAsserts().visit(ast.parse(source, filename)))
 
 
 def explain(exc: BaseException, names: Sequence[str]) -> tuple[str, list[str]]:
@@ -127,22 +134,17 @@ def _listed(items: Sequence[str]) -> str:
         " and more" if len(items) > 3 else "")
 
 
-# -- the kernel's side: the learner's loop, and the grader's requests ------------------------------------------------
-
-helpers: dict[str, Any] = {}  # what this kernel's `%%test_helpers` cells defined (drivers, data, checks)
-
-
-def kernel_side(user_ns: dict, is_cell: Callable[[str], bool]) -> KernelSide:
-    """This kernel's side of the boundary: the notebook's names are the exercises, its helper cells the drivers."""
-    return KernelSide(user_ns, helpers, is_cell)
-
+# -- the learner's loop ---------------------------------------------------------------------------------------------
 
 def run_in_notebook(source: str, names: Sequence[str], user_ns: dict, *, filename: str,
-                    is_cell: Callable[[str], bool]) -> None:
+                    is_cell: Callable[[str], bool], cell_name: Callable[[str], str] = str) -> None:
     """A `%%test` cell in the learner's own kernel: the test runs here, through `InProcess`. Refused while the
     notebook is being graded (nbgrader's executor sets NBGRADER_EXECUTION): then tests run in the grader."""
     if os.environ.get("NBGRADER_EXECUTION") == "autograde":
         raise TestFailed("this test cell reached the notebook's kernel while it was graded: tests run in the "
                          "grader's own process, so the course's grading configuration did not load; no test runs "
                          "here.")
-    run_test(source, names, boundary=InProcess(kernel_side(user_ns, is_cell)), helpers=helpers, filename=filename)
+    from .kernel_side import InProcess, KernelSide  # the kernel's side: its test ranks (not the grader's business)
+
+    side = KernelSide(user_ns, is_cell, cell_name)
+    run_test(source, names, boundary=InProcess(side), filename=filename)

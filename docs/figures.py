@@ -22,30 +22,40 @@ def _box(ax, x, y, w, h, title, lines, color):
 
 
 def trust_boundary() -> plt.Figure:
-    """The grader's process and the sandbox: what lives where, and what crosses (grading/README.md)."""
-    fig, ax = plt.subplots(figsize=(12, 4))
-    ax.set_xlim(0, 2.7)
-    ax.set_ylim(0, 1)
+    """The grader's process and the two sandboxes: what lives where, what crosses, what is measured from outside
+    (grading/README.md)."""
+    fig, ax = plt.subplots(figsize=(13, 5.4))
+    ax.set_xlim(0, 2.9)
+    ax.set_ylim(0, 1.4)
     ax.axis("off")
-    _box(ax, 0.02, 0.06, 0.92, 0.88, "the grader's process (the instructor's)", [
+    _box(ax, 0.02, 0.08, 0.88, 1.26, "the grader's process (the instructor's)", [
         "executes the notebook (nbclient), cell by cell",
-        "runs the course's test cells, visible and hidden",
+        "runs the course's test cells, hidden ones too,",
+        "    with the package's test code",
+        "draws each test's data from seeds it keeps",
         "computes every expected value and compares",
-        "reads the sandbox's loopback bytes from /proc",
+        "measures from outside the ranks: bytes per",
+        "    rank pair (TCP_INFO), peak memory (cgroup)",
         "writes the gradebook, the feedback, the report"], "#dbe9f6")
-    _box(ax, 1.66, 0.06, 1.0, 0.88, "the sandbox (bubblewrap): student code", [
-        "the kernel: the answers and every other cell",
-        "drivers of %%test_helpers cells: call the exercise,",
-        "    report what happened as plain data",
-        "test ranks: gloo over the sandbox's own loopback",
-        "no test code, no expected value, no network out"], "#fde2d6")
-    middle = 1.3
-    for y, text, start, end in [(0.66, "request:\nnames + plain data\n(%cs336_call)", 0.96, 1.64),
-                                (0.3, "reply: plain data,\nread with torch.load\n(weights_only=True)", 1.64, 0.96)]:
-        ax.add_patch(FancyArrowPatch((start, y), (end, y), arrowstyle="-|>", mutation_scale=18, color="0.2"))
-        ax.text(middle, y + 0.04, text, ha="center", va="bottom", fontsize=8.5)
-    ax.plot([middle, middle], [0.0, 0.2], ls="--", color="0.4")
-    ax.text(middle, 0.1, "  the trust boundary", ha="left", va="center", fontsize=9, style="italic", color="0.3")
+    _box(ax, 2.0, 0.78, 0.88, 0.56, "sandbox 1: the notebook's kernel", [
+        "the answers, and every other cell",
+        "of the student's; no test code, no",
+        "test data, no expected value"], "#fde2d6")
+    _box(ax, 2.0, 0.08, 0.88, 0.56, "sandbox 2: the grader's test ranks", [
+        "a relay that runs no student code;",
+        "rank r: a driver, the exercise and",
+        "its own share of the data, nothing else"], "#fde2d6")
+    arrows = [(1.2, "requests: names and plain data", 0.93, 1.97),
+              (1.01, "replies: plain data, rebuilt from a short list of\ntypes, within the output limit", 1.97,
+               0.93),
+              (0.86, "the exercise, pickled (never unpickled here)", 1.97, 0.93),
+              (0.46, "rank r: its own share of the data, the exercise", 0.93, 1.97),
+              (0.25, "one plain result per rank", 1.97, 0.93)]
+    for y, text, start, end in arrows:
+        ax.add_patch(FancyArrowPatch((start, y), (end, y), arrowstyle="-|>", mutation_scale=16, color="0.2"))
+        ax.text(1.45, y + 0.02, text, ha="center", va="bottom", fontsize=8.5)
+    ax.plot([1.45, 1.45], [0.0, 0.16], ls="--", color="0.4")
+    ax.text(1.45, 0.08, "  the trust boundary", ha="left", va="center", fontsize=9, style="italic", color="0.3")
     return fig
 
 

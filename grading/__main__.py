@@ -1,5 +1,5 @@
-"""`python -m grading ...`: the course's grading workflow (grading/course.py)."""
+"""`python -m grading ...`: the course's grading workflow (grading/cli.py)."""
 
-from grading.course import main
+from grading.cli import main
 
 main()

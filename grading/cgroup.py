@@ -37,11 +37,16 @@ def _own_cgroups() -> list[Path]:
     return found
 
 
+LEAVES = ("kernel", "ranks")
+
+
 class MemoryLimit:
-    """A fresh cgroup that holds at most `limit_bytes` of memory; processes join it through `procs`."""
+    """A fresh cgroup that holds at most `limit_bytes` of memory, with two leaves: the kernel's (`procs`) and the
+    grader's test ranks' (`ranks_procs`), whose peak the grader reads around each request (`ranks_peak`)."""
 
     def __init__(self, path: Path, v2: bool, limit_bytes: int):
         self.path, self.v2, self.limit_bytes = path, v2, limit_bytes
+        self._peak_fd: int | None = None
 
     @classmethod
     def create(cls, limit_bytes: int) -> MemoryLimit | None:
@@ -57,38 +62,80 @@ class MemoryLimit:
                 if v2:
                     (path / "memory.max").write_text(str(limit_bytes))
                     _try_write(path / "memory.swap.max", "0")
+                    (path / "cgroup.subtree_control").write_text("+memory")
                 else:
                     (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
                     _try_write(path / "memory.memsw.limit_in_bytes", str(limit_bytes))
+                for leaf in LEAVES:
+                    (path / leaf).mkdir()
                 return cls(path, v2, limit_bytes)
             except OSError:
+                for leaf in LEAVES:
+                    _try_rmdir(path / leaf)
                 _try_rmdir(path)
         return None
 
     @property
     def procs(self) -> Path:
-        """Write a pid here to put that process (and all it starts later) under the limit."""
-        return self.path / "cgroup.procs"
+        """Write a pid here to put that process (and all it starts later) under the limit: the kernel's leaf."""
+        return self.path / "kernel" / "cgroup.procs"
 
-    def hit(self) -> bool:
-        """Whether the kernel's OOM killer stopped a process of this cgroup."""
+    @property
+    def ranks_procs(self) -> Path:
+        """The same for the grader's test ranks (their own leaf, so that their peak is theirs alone)."""
+        return self.path / "ranks" / "cgroup.procs"
+
+    def reset_ranks_peak(self) -> int | None:
+        """Start measuring the test ranks' peak now; their memory in use now (bytes), None where it cannot be."""
+        ranks = self.path / "ranks"
+        try:
+            if self.v2:  # Linux 6.12+: a write resets the peak seen through that open file
+                if self._peak_fd is None:
+                    self._peak_fd = os.open(ranks / "memory.peak", os.O_RDWR)
+                os.write(self._peak_fd, b"reset\n")
+                return int((ranks / "memory.current").read_text())
+            (ranks / "memory.max_usage_in_bytes").write_text("0")
+            return int((ranks / "memory.usage_in_bytes").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def ranks_peak(self) -> int | None:
+        """The test ranks' peak memory (bytes) since `reset_ranks_peak`, all ranks together."""
         try:
             if self.v2:
-                events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
-                return int(events.get("oom_kill", 0)) > 0
-            control = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
-            return int(control.get("oom_kill", 0)) > 0
-        except (OSError, ValueError):
-            return False
+                os.lseek(self._peak_fd, 0, os.SEEK_SET)
+                return int(os.read(self._peak_fd, 64))
+            return int((self.path / "ranks" / "memory.max_usage_in_bytes").read_text())
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def hit(self) -> bool:
+        """Whether the kernel's OOM killer stopped a process of this cgroup. A kill counts in the victim's leaf
+        (cgroup v1 does not carry it up to the cgroup whose limit was passed), so every leaf is read."""
+        counts = "memory.events" if self.v2 else "memory.oom_control"
+        for folder in (self.path, *(self.path / leaf for leaf in LEAVES)):
+            try:
+                fields = dict(line.split() for line in (folder / counts).read_text().splitlines())
+                if int(fields.get("oom_kill", 0)) > 0:
+                    return True
+            except (OSError, ValueError):
+                pass
+        return False
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in self.procs.read_text().split()]
-        except OSError:
-            return []
+        found = []
+        for procs in (self.procs, self.ranks_procs):
+            try:
+                found += [int(p) for p in procs.read_text().split()]
+            except OSError:
+                pass
+        return found
 
     def close(self) -> None:
         """Kill whatever is still in the cgroup, then remove it."""
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
         deadline = time.monotonic() + 5.0
         while True:
             for pid in self.pids():
@@ -96,7 +143,8 @@ class MemoryLimit:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            if _try_rmdir(self.path) or time.monotonic() > deadline:
+            removed = all(_try_rmdir(self.path / leaf) for leaf in LEAVES) and _try_rmdir(self.path)
+            if removed or time.monotonic() > deadline:
                 return
             time.sleep(0.05)
 

@@ -6,9 +6,9 @@ Two stages, so that only the instructor's process writes the gradebook:
    <course>/executed/<assignment>/<student>/. N run at once, each driven by a thread of the grader (the kernels
    and ranks are the sandboxes' processes). On Slurm, each task of a job array executes its share
    (`execute_shard`) into the same folder, on a shared file system.
-2. **score** (`score`): nbgrader's autograde, in the grader's process: it restores the course's cells itself,
-   takes the executed notebook's outputs in place of running it (`Replay`), then runs the course's verdict
-   preprocessors and writes the gradebook.
+2. **score** (`score`): nbgrader's autograde, in the grader's process: it takes the executed notebook in place of
+   running it (`verdict.ExecutedNotebook`), scores each test cell by the grader's verdict (`verdict.SaveVerdicts`)
+   and writes the gradebook.
 A result is reused while its run.json has the same key (the master and the submitted files): a run that was
 interrupted resumes where it stopped; `students=` or `force=` runs submissions again.
 """
@@ -29,17 +29,17 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-import nbformat
-from nbgrader.preprocessors import NbGraderPreprocessor
-from traitlets import Unicode
 from traitlets.config import Config
 
 import cs336_parallel
-from grading import cgroup, gradebook, report, runner, sandbox, verdict
+from grading import cgroup, gradebook, report, runner, sandbox
 from grading.gradebook import Submission, submissions
-from grading.runner import Limits, Run
+from grading.runner import Execution, Limits
 
 # `%cluster start -n 4`, `checks.run(4, ...)`, `Cluster(4)`: the world sizes a notebook starts.
+# What the notebooks may not read where they run as the unprivileged user, beside the class's folder: the masters,
+# and in the course's own repository the tests' fixtures (answers, correct and wrong).
+PRIVATE = (gradebook.COURSE / "source", gradebook.REPO / "tests")
 WORLD_SIZE = re.compile(r"(?:%cluster start -n |checks\.run\(|Cluster\()\s*(\d+)")
 
 
@@ -75,9 +75,9 @@ def default_jobs(names: Iterable[str], root: Path) -> int:
 
 # -- stage 1: execute ---------------------------------------------------------------------------------------
 
-def executed(job: Submission, results: Path) -> Run | None:
+def executed(job: Submission, results: Path) -> Execution | None:
     """The finished run of this version of the submission, if there is one."""
-    run = runner.load_run(results, job.assignment, job.student)
+    run = runner.load_execution(results, job.assignment, job.student)
     return run if run is not None and not run.error and run.key == job.key() else None
 
 
@@ -98,6 +98,22 @@ def check_sandbox(use_sandbox: bool) -> None:
                          "(classroom.autograde(..., use_sandbox=False)).")
 
 
+def grading_user(use_sandbox: bool, root: Path) -> str | None:
+    """Without a sandbox, root runs every notebook as the unprivileged user `sandbox.USER`, who may read neither
+    the class (`root`: the gradebook, the submissions) nor the masters (`PRIVATE`): that user, or None (a sandbox;
+    or a grader who is not root, and so has no privilege to drop). Stops with what to do where that is not
+    possible."""
+    if use_sandbox or os.geteuid() != 0:
+        return None
+    if problem := sandbox.user_unavailable():
+        raise SystemExit(f"Without a sandbox, root grades only as an unprivileged user, and {problem}.")
+    for private in (root, *PRIVATE):
+        if exposed := sandbox.open_to_others(private):
+            raise SystemExit(f"Without a sandbox, the notebooks run as {sandbox.USER}, who could read {exposed}: "
+                             f"chmod o-rwx {exposed} first.")
+    return sandbox.USER
+
+
 @contextmanager
 def ctrl_c(pressed: threading.Event | None = None) -> Iterator[threading.Event]:
     """While grading, Ctrl-C sets `pressed` (a new event if None) instead of raising wherever the grader happens
@@ -115,14 +131,18 @@ def ctrl_c(pressed: threading.Event | None = None) -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def execute(jobs: list[Submission], root: Path, config: Config, *, parallel: int, limits: Limits, use_sandbox: bool,
-            results: Path, done: Callable[[Submission, Run], None] = lambda job, run: None,
+def execute_class(jobs: list[Submission], root: Path, config: Config, *, parallel: int, limits: Limits,
+                  use_sandbox: bool,
+            results: Path, done: Callable[[Submission, Execution], None] = lambda job, run: None,
             pressed: threading.Event | None = None) -> None:
     """Run `jobs`, `parallel` at a time; `done(job, run)` is called in this thread as each one finishes.
     Ctrl-C (or `pressed` set) stops every running notebook, keeps nothing of theirs and raises `Interrupted`."""
     if not jobs:
         return
     check_sandbox(use_sandbox)
+    user = grading_user(use_sandbox, root)
+    if user:
+        parallel = 1  # every process of the user is ended after each notebook
     if limits.memory_mb and (why := cgroup.unavailable()):
         print(f"Warning: {why}", file=sys.stderr, flush=True)
     # The package is read-only in the sandbox: compile it here, once, rather than in every kernel and rank.
@@ -131,8 +151,8 @@ def execute(jobs: list[Submission], root: Path, config: Config, *, parallel: int
     with ctrl_c(pressed) as pressed, tempfile.TemporaryDirectory(prefix="cs336-grading-") as tmp:
         db_url = gradebook_snapshot(root, Path(tmp))
         pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(jobs))), thread_name_prefix="grade")
-        pending = {pool.submit(runner.run, job, results, config, db_url, limits, use_sandbox, stop): job
-                   for job in jobs}
+        pending = {pool.submit(runner.execute_submission, job, results, config, db_url, limits, use_sandbox, stop,
+                               user): job for job in jobs}
         try:
             while pending and not pressed.is_set():
                 finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -152,69 +172,46 @@ def execute(jobs: list[Submission], root: Path, config: Config, *, parallel: int
 
 
 def execute_shard(names: list[str], root: Path, config: Config, *, shard: int, shards: int, parallel: int | None,
-                  limits: Limits, use_sandbox: bool, results: Path, force: bool = False) -> list[Run]:
+                  limits: Limits, use_sandbox: bool, results: Path, force: bool = False) -> list[Execution]:
     """One task of a Slurm job array: execute submissions shard, shard + shards, ... of the sorted class
     (those without a finished result), into `results`. Writes no gradebook: `merge` scores them."""
     if not 0 <= shard < shards:
         raise SystemExit(f"--shard must be in 0..{shards - 1}, got {shard}")
     mine = submissions(names, root)[shard::shards]
     todo = [job for job in mine if force or executed(job, results) is None]
-    runs: list[Run] = []
+    runs: list[Execution] = []
     print(f"shard {shard}/{shards}: {len(mine)} submissions, {len(todo)} to execute", flush=True)
 
-    def finished(job: Submission, run: Run) -> None:
+    def finished(job: Submission, run: Execution) -> None:
         runs.append(run)
         status = run.error or run.limit or "ok"
         print(f"shard {shard}: {job.student}/{job.assignment} in {run.seconds:g} s: {status}", flush=True)
 
-    execute(todo, root, config, parallel=parallel or default_jobs(names, root), limits=limits,
-            use_sandbox=use_sandbox, results=results, done=finished)
+    execute_class(todo, root, config, parallel=parallel or default_jobs(names, root), limits=limits,
+                  use_sandbox=use_sandbox, results=results, done=finished)
     return runs
 
 
 # -- stage 2: score -----------------------------------------------------------------------------------------
 
-class Replay(NbGraderPreprocessor):
-    """Stands in for Execute when the grader scores: the outputs of the notebook the sandbox ran go onto the
-    cells nbgrader restored here. Only outputs are taken; every cell's source must match, or the result is
-    of another version of the notebook."""
-
-    results = Unicode("", help="the folder of executed notebooks").tag(config=True)
-
-    def preprocess(self, nb, resources):
-        ids = resources["nbgrader"]
-        path = runner.result_dir(Path(self.results), ids["assignment"], ids["student"]) / f"{ids['notebook']}.ipynb"
-        ran = nbformat.read(path, as_version=4)
-        if [(c.cell_type, c.source) for c in ran.cells] != [(c.cell_type, c.source) for c in nb.cells]:
-            raise ValueError(f"{path} was executed from another version of this notebook: execute it again")
-        for cell, result in zip(nb.cells, ran.cells, strict=True):
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = result.outputs, result.execution_count
-        if "language_info" in ran.metadata:
-            nb.metadata["language_info"] = ran.metadata["language_info"]
-        return nb, resources
-
-
 def scoring_config(results: Path) -> Config:
-    """The course's autograde preprocessors, with `Replay` in place of the executor (which nbgrader's own autograde
-    would use, and the course's configuration refuses: verdict.RefuseExecute)."""
-    configured = gradebook.config().Autograde.autograde_preprocessors
-    preprocessors = [Replay if p is verdict.RefuseExecute else p for p in configured]
-    return Config({"Autograde": {"autograde_preprocessors": preprocessors}, "Replay": {"results": str(results)}})
+    """What scoring adds to the course's configuration: where the executed notebooks are (`ExecutedNotebook` takes
+    them in place of executing), and no second sanitizing (the runner restored the course's cells before it ran)."""
+    return Config({"Autograde": {"sanitize_preprocessors": []}, "ExecutedNotebook": {"results": str(results)}})
 
 
 def is_scored(job: Submission, results: Path) -> bool:
     """Whether this version of the submission's run is already in the gradebook (its autograded notebook written)."""
     marker = runner.result_dir(results, job.assignment, job.student) / "scored"
     autograded = gradebook.autograded_notebook(Path(job.root), job.assignment, job.student)
-    run = runner.load_run(results, job.assignment, job.student)
+    run = runner.load_execution(results, job.assignment, job.student)
     return run is not None and marker.exists() and marker.read_text() == run.key and autograded.exists()
 
 
 def score(job: Submission, results: Path, grader) -> None:
     """nbgrader's autograde of one executed submission, in this process: the only writer of the gradebook."""
     gradebook.check(grader.autograde(job.assignment, job.student), f"score {job.student}/{job.assignment}")
-    run = runner.load_run(results, job.assignment, job.student)
+    run = runner.load_execution(results, job.assignment, job.student)
     (runner.result_dir(results, job.assignment, job.student) / "scored").write_text(run.key)
 
 
@@ -231,7 +228,7 @@ def sandbox_wanted(use_sandbox: bool | None) -> bool:
 
 def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, jobs: int | None = None,
               students: Iterable[str] | None = None, force: bool = False, limits: Limits | None = None,
-              use_sandbox: bool | None = None, results: Path | None = None) -> list[Run]:
+              use_sandbox: bool | None = None, results: Path | None = None) -> list[Execution]:
     """Grade every submission of `names` (all assignments by default), each in a sandbox of its own: execute what
     has no finished result (all of `students`' if given, everything with `force`), `jobs` at a time (default: what
     the cores allow), with a progress bar; score each in this process as it finishes; then write the class report.
@@ -253,7 +250,7 @@ def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, 
     to_score = [j for j in everyone if j not in to_execute and not is_scored(j, results)]
     scorer = gradebook.api(root, scoring_config(results))
     problems: list[str] = []
-    runs: list[Run] = []
+    runs: list[Execution] = []
     bar = tqdm(total=len(everyone), initial=len(everyone) - len(to_execute) - len(to_score), desc="autograding",
                unit="notebook")
 
@@ -264,7 +261,7 @@ def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, 
             problems.append(f"{job.student}/{job.assignment}: {e}")
         bar.update()
 
-    def done(job: Submission, run: Run | None) -> None:
+    def done(job: Submission, run: Execution | None) -> None:
         if run is None:
             return
         runs.append(run)
@@ -280,7 +277,7 @@ def autograde(names: list[str] | None = None, root: Path = gradebook.COURSE, *, 
                 if pressed.is_set():
                     raise Interrupted("stopped while scoring: run the same command again to go on from there")
                 score_one(job)
-            execute(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root),
+            execute_class(to_execute, root, grader.config, parallel=jobs or default_jobs(names, root),
                     limits=limits or Limits(), use_sandbox=sandbox_wanted(use_sandbox), results=results, done=done,
                     pressed=pressed)
     finally:
@@ -311,7 +308,7 @@ def merge(names: list[str], root: Path, results: Path | None = None) -> int:
     return len(todo)
 
 
-def grade_alone(notebook: Path, name: str, *, use_sandbox: bool) -> tuple[list[gradebook.Score], Run | None]:
+def grade_alone(notebook: Path, name: str, *, use_sandbox: bool) -> tuple[list[gradebook.Score], Execution | None]:
     """Grade one notebook as assignment `name`, in a throwaway copy of the course, as a class is graded (the tests
     in this process, the kernel isolated when `use_sandbox`): one score per test, and the run (its limit, if one
     stopped it). Raises RuntimeError when the notebook could not be run at all."""
@@ -322,7 +319,7 @@ def grade_alone(notebook: Path, name: str, *, use_sandbox: bool) -> tuple[list[g
         target.mkdir(parents=True)
         shutil.copy(notebook, target / f"{name}.ipynb")
         autograde([name], root, use_sandbox=use_sandbox)
-        return gradebook.scores(name, "me", root), runner.load_run(root / runner.RESULTS, name, "me")
+        return gradebook.scores(name, "me", root), runner.load_execution(root / runner.RESULTS, name, "me")
 
 
 def selfgrade(notebook: Path) -> list[gradebook.Score]:

@@ -31,9 +31,14 @@ COURSE = Path(__file__).resolve().parent
 REPO = COURSE.parent
 CONFIG = "nbgrader_config.py"
 
-warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy notices from nbgrader's own queries
-# nbgrader runs tools of its environment (alembic) by name: find them even in a venv that is not activated.
-os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def _find_environment_tools() -> None:
+    """nbgrader runs tools of its environment (alembic) by name when it makes a gradebook: put the environment's
+    own first on PATH, even in a venv that is not activated."""
+    tools = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != tools:
+        os.environ["PATH"] = os.pathsep.join([tools, os.environ.get("PATH", "")])
 
 
 class ConfigurationError(SystemExit):
@@ -53,14 +58,18 @@ def config() -> Config:
     except BaseException as e:  # noqa: BLE001 - the config file raises SystemExit itself when its imports fail
         raise ConfigurationError(f"the course's grading configuration ({COURSE / CONFIG}) did not load, so "
                                  f"nothing is graded: {e}") from None
-    if verdict.RefuseExecute not in loaded.Autograde.get("autograde_preprocessors", []):
+    steps = loaded.Autograde.get("autograde_preprocessors", [])
+    if verdict.ExecutedNotebook not in steps or verdict.SaveVerdicts not in steps:
         raise ConfigurationError(f"{COURSE / CONFIG} does not configure the course's grader (its autograde "
-                                 "preprocessors lack grading.verdict.RefuseExecute): nothing is graded")
+                                 "preprocessors lack grading.verdict.ExecutedNotebook and SaveVerdicts): nothing is "
+                                 "graded")
     return loaded
 
 
 def api(root: Path = COURSE, extra: Config | None = None) -> NbGraderAPI:
     """nbgrader's API on the course folder `root`, configured by nbgrader_config.py (and `extra`)."""
+    _find_environment_tools()
+    warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy notices from nbgrader's own queries
     loaded = config()
     loaded.merge(Config({"CourseDirectory": {"root": str(root)}, "NbGraderAPI": {"log_level": "ERROR"}}))
     loaded.merge(extra or Config())
@@ -169,7 +178,6 @@ def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[st
         generated, target = root / "release" / name / f"{name}.ipynb", into / f"{name}.ipynb"
         pristine = {generated.read_bytes() if generated.exists() else None, _committed(target)}
         check(grader.generate_assignment(name), f"generate {name}")
-        collapse_test_helpers(generated)
         if force or not target.exists() or target.read_bytes() in pristine | {generated.read_bytes()}:
             written.append(Path(shutil.copy(generated, target)))
         else:
@@ -177,16 +185,6 @@ def release(root: Path = COURSE, into: Path = REPO / "notebooks", names: list[st
     if kept:
         raise LearnerChanges(kept, written, root)
     return written
-
-
-def collapse_test_helpers(path: Path) -> None:
-    """Release the read-only `%%test_helpers` cells collapsed (JupyterLab's `source_hidden`): an exercise's spec,
-    answer and tests sit together on screen, and a click shows the drivers and checks."""
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.source.startswith("%%test_helpers"):
-            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
-    nbformat.write(nb, path)
 
 
 # -- scores, feedback, export ------------------------------------------------------------------------------------

@@ -11,15 +11,19 @@ holds:
 - the package, grading/ with this assignment's master only, and what building the environment needs.
 
 `grade(root)` grades as `python -m grading autograde` does, with the same execution, limits and trust boundary
-(`classroom.grade_alone`): the tests in this process, the notebook's kernel in a sandbox where bubblewrap can run.
-Gradescope's containers may forbid the namespaces a sandbox needs: it then grades without one and says so in the
-results' top-level `output`. results.json holds one test per graded cell: its name, score, max_score, visibility
-and `output`, the one-line reason it failed (never a hidden test's code).
+(`classroom.grade_alone`): the tests in this process, the notebook's kernel and the test ranks in sandboxes where
+bubblewrap can run. Gradescope's containers usually forbid the namespaces a sandbox needs: then the kernel and the
+test ranks run as the unprivileged user `setup.sh` makes (`sandbox.USER`), who can read neither the masters nor the
+grading code (`lock_down`) and cannot write the results; every process of that user is ended before the results are
+written. Where neither is possible, nothing is graded. The results' top-level `output` says which it was.
+results.json holds one test per graded cell: its name, score, max_score, visibility and `output`, the one-line
+reason it failed (never a hidden test's code).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zipfile
 from pathlib import Path
@@ -38,7 +42,9 @@ SETUP = """#!/usr/bin/env bash
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
-apt-get install -y -q --no-install-recommends bubblewrap make python3 python3-venv python3-pip
+apt-get install -y -q --no-install-recommends bubblewrap make python3 python3-venv python3-pip util-linux
+# Where the container forbids a sandbox, notebooks run as this user, who may read the environment and the package only.
+id cs336-student >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin cs336-student
 cd /autograder/source
 make .venv/.installed TORCH=cpu
 """
@@ -107,19 +113,55 @@ def results(scores: list[Score], notes: list[str]) -> dict:
     return {"score": sum(s.score for s in scores), "output": "\n".join(notes), "tests": tests}
 
 
+def lock_down(root: Path) -> None:
+    """Before a notebook runs as the unprivileged user: it may pass through root/source and read the package (and an
+    environment built there), and nothing else of root: not the grading code and masters, not the submission, not
+    the results (which root writes, after every process of that user has ended)."""
+    source = root / "source"
+    root.chmod(0o711)
+    source.chmod(0o755)  # listed: Python finds the package by listing the folders on its path
+    for path in [source / "grading", root / "submission", *(p for p in source.iterdir() if p.is_file())]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    for top in (source / "cs336_parallel", source / ".venv"):
+        for folder, _, files in os.walk(top):
+            os.chmod(folder, 0o755)
+            for name in files:
+                path = Path(folder, name)
+                if not path.is_symlink():
+                    path.chmod(path.stat().st_mode | 0o444)
+    (root / "results").mkdir(exist_ok=True)
+    (root / "results").chmod(0o755)
+
+
+def isolation(root: Path) -> tuple[bool | None, str]:
+    """(use a sandbox?, what the results say): a sandbox where bubblewrap runs; else the unprivileged user, where
+    this is root and the user exists (after `lock_down`); else None: nothing is graded."""
+    problem = sandbox.unavailable()
+    if problem is None:
+        return True, ("Graded in a sandbox (bubblewrap), with the course's limits, the hidden tests in the grader's "
+                      "process.")
+    if os.geteuid() == 0 and (no_user := sandbox.user_unavailable()) is None:
+        lock_down(root)
+        return False, (f"Graded without a sandbox (this container cannot make one: {problem}): the notebook ran as the "
+                       f"unprivileged user {sandbox.USER}, who can read neither the course nor the results.")
+    why = no_user if os.geteuid() == 0 else "the autograder does not run as root"
+    return None, f"Not graded: this container can make no sandbox ({problem}), and {why}."
+
+
 def grade(root: Path) -> dict:
     """Grade root/submission's notebook; write and return root/results/results.json."""
     [assignment] = gradebook.assignments()  # the zip holds one master
-    problem = sandbox.unavailable()
-    notes = [f"Graded without a sandbox: this container cannot make one ({problem})." if problem else
-             "Graded in a sandbox (bubblewrap), with the course's limits, the hidden tests in the grader's process."]
+    use_sandbox, note = isolation(root)
+    notes = [note]
     notebook = find_notebook(root / "submission", assignment)
     scores = master_tests(assignment)
-    if isinstance(notebook, str):
+    if use_sandbox is None:
+        pass
+    elif isinstance(notebook, str):
         notes.append(f"Not graded: {notebook}.")
     else:
         try:
-            scores, run = classroom.grade_alone(notebook, assignment, use_sandbox=problem is None)
+            scores, run = classroom.grade_alone(notebook, assignment, use_sandbox=use_sandbox)
         except RuntimeError as e:  # the notebook could not be run at all
             notes.append(f"Not graded: {str(e).splitlines()[-1].strip()}")
         else:

@@ -22,11 +22,10 @@ try:
         GetGrades,
         IgnorePattern,
         LimitOutput,
-        SaveAutoGrades,
     )
 
     from cs336_parallel import selfcheck
-    from grading.verdict import RefuseExecute
+    from grading.verdict import KEY, ExecutedNotebook, SaveVerdicts
 except ImportError as e:  # SystemExit, not an exception: nbgrader would log an exception and grade with defaults
     sys.exit(f"cs336-parallel: the course's grading code could not be imported ({e}); nothing is graded. Grade "
              "from the repository root with `python -m grading autograde` (grading/README.md).")
@@ -39,11 +38,14 @@ c.Execute.timeout = selfcheck.CELL_TIMEOUT_S
 c.Execute.kernel_name = selfcheck.KERNEL  # registered by `make lab` / `make test`
 c.Execute.extra_arguments = selfcheck.QUIET_KERNEL  # nbgrader's default argument; no start-up notices
 
-# nbgrader's own `autograde` would run the tests in the student's kernel: RefuseExecute stops it. The course's
-# grader (`python -m grading autograde`) executes each notebook itself and puts `Replay` in its place.
+# Scoring. The course's grader (`python -m grading autograde`) executes each notebook itself, the tests in its own
+# process, and records a verdict on each test cell; nbgrader's autograde then takes that executed notebook
+# (ExecutedNotebook, which refuses to run without one: nbgrader's own `autograde` would run the tests in the
+# student's kernel) and scores each test cell by its verdict (SaveVerdicts).
 c.Autograde.autograde_preprocessors = [
-    RefuseExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
+    ExecutedNotebook, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveVerdicts, AssignLatePenalties,
     CheckCellMetadata]
+c.ClearMetadataPreprocessor.preserve_cell_metadata_mask = [("nbgrader",), (KEY,)]
 # The feedback shows no hidden test, and what a submission displayed as HTML or JavaScript only as sanitized text.
 c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, SanitizeHTML, CSSHTMLHeaderPreprocessor]
 c.SanitizeHTML.enabled = True  # nbconvert's preprocessors are off until enabled

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import MissingEntry
 
+from cs336_parallel.text import printable
 from grading import gradebook, runner, verdict
 from grading.gradebook import Score, Submission
 
@@ -73,10 +75,10 @@ def scores_of(job: Submission) -> list[Score] | None:
 def lines_for(graded: Graded, results: Path) -> tuple[list[tuple], list[str]]:
     """(CSV rows, feedback lines) of one submission."""
     job = graded.job
-    run = runner.load_run(results, job.assignment, job.student)
+    run = runner.load_execution(results, job.assignment, job.student)
     notes = []
     if run is not None and run.error:
-        notes.append(f"{job.assignment}: not graded: {run.error.splitlines()[0]}")
+        notes.append(f"{job.assignment}: not graded: {printable(run.error.splitlines()[0])}")
     elif run is not None and run.limit:
         notes.append(f"{job.assignment}: stopped early: {run.limit}; what did not finish scores 0")
     if graded.scores is None:
@@ -84,7 +86,7 @@ def lines_for(graded: Graded, results: Path) -> tuple[list[tuple], list[str]]:
     listed = review(job)
     rows = [(job.student, job.assignment, s.cell, f"{s.score:g}", f"{s.max_score:g}", " | ".join(listed))
             for s in graded.scores]
-    notes += [f"{job.assignment}  {s.cell.removeprefix('test_')}  {s.score:g} / {s.max_score:g}  {s.reason}"
+    notes += [f"{job.assignment}  {s.cell.removeprefix('test_')}  {s.score:g} / {s.max_score:g}  {printable(s.reason)}"
               for s in graded.scores if s.score < s.max_score]
     notes += [f"{job.assignment}  for review (not scored): {line}" for line in listed]
     return rows, notes
@@ -125,6 +127,12 @@ def draw_tests(tests: list[TestSummary], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def markdown_text(text: str) -> str:
+    """`text` as literal Markdown: printable characters only, and every character Markdown gives a meaning to
+    escaped (a reason is the student's exception message: no link, heading or table cell may come of it)."""
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~])", r"\\\1", printable(text))
+
+
 def reasons_markdown(tests: list[TestSummary]) -> str:
     """reasons.md: per test (hardest first), the most common reasons it failed and how many submissions gave each."""
     lines = ["# Why tests failed", "",
@@ -134,8 +142,7 @@ def reasons_markdown(tests: list[TestSummary]) -> str:
         lines += [f"## {t.label}: {t.passed} of {t.graded} passed", ""]
         if t.reasons:
             lines += ["| submissions | reason |", "|---:|---|"]
-            lines += [f"| {count} | {reason.replace('|', chr(92) + '|')} |"
-                      for reason, count in t.reasons.most_common(MOST_COMMON)]
+            lines += [f"| {count} | {markdown_text(reason)} |" for reason, count in t.reasons.most_common(MOST_COMMON)]
             lines.append("")
     return "\n".join(lines)
 

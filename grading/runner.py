@@ -34,12 +34,12 @@ from nbgrader.preprocessors.execute import UnresponsiveKernelError
 from traitlets import Enum
 from traitlets.config import Config
 
-from cs336_parallel.boundary import RESULT_MIME
 from cs336_parallel.text import red_headline
-from grading import cgroup, sandbox
+from grading import cgroup, sandbox, verdict
 from grading.cgroup import MemoryLimit
 from grading.gradebook import Submission
 from grading.grader import KernelStopped, TestSession
+from grading.rank_box import RankBox
 
 RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
 
@@ -52,7 +52,7 @@ class Limits:
 
 
 @dataclass
-class Run:
+class Execution:
     """What running a submission returned, besides the executed notebook (saved as run.json beside it)."""
     assignment: str
     student: str
@@ -68,9 +68,9 @@ def result_dir(results: Path, assignment: str, student: str) -> Path:
     return results / assignment / student
 
 
-def load_run(results: Path, assignment: str, student: str) -> Run | None:
+def load_execution(results: Path, assignment: str, student: str) -> Execution | None:
     try:
-        return Run(**json.loads((result_dir(results, assignment, student) / "run.json").read_text()))
+        return Execution(**json.loads((result_dir(results, assignment, student) / "run.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -88,23 +88,24 @@ class LimitedExecute(Execute):
     shutdown_kernel = Enum(["graceful", "immediate"], default_value="immediate")
 
     def __init__(self, *, box: Path, limits: Limits, use_sandbox: bool, memory: MemoryLimit | None,
-                 interrupt: threading.Event, master: Path | None = None, **kwargs):
+                 interrupt: threading.Event, master: Path | None = None, user: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.box, self.limits, self.use_sandbox, self.memory = box, limits, use_sandbox, memory
+        self.box, self.limits, self.use_sandbox, self.memory, self.user = box, limits, use_sandbox, memory, user
         self.interrupt = interrupt  # set by the grader's Ctrl-C: stop now, and keep nothing of this run
         self.cell_timeout = self.timeout  # nbgrader's backstop per cell (nbgrader_config.py)
         self.stopped = ""  # why no further cell runs
-        self.shown = 0  # bytes of output so far
+        self.shown_bytes = 0  # bytes of output so far
+        self.ranks = RankBox(box, use_sandbox=use_sandbox, user=user, memory=memory)  # the tests' ranks
+        self.reply_path = box / "k" / "reply"  # where the kernel answers a test's request
         self.tests = TestSession(master, self) if master else None  # the course's tests, run here
         self.index = 0  # the cell being run
-        self.in_request = False
-        self._sandbox_pid: int | None = None
 
     def create_kernel_manager(self):
         self.km = sandbox.SandboxedKernelManager(
             kernel_name=self.kernel_name or self.nb.metadata.get("kernelspec", {}).get("name", "python3"),
-            config=self.config, box=str(self.box), sandbox=self.use_sandbox,
-            cgroup_procs=str(self.memory.procs) if self.memory else "")
+            config=self.config, box=str(self.box), sandbox=self.use_sandbox, user=self.user or "",
+            cgroup_procs=str(self.memory.procs) if self.memory else "",
+            max_message_bytes=max(64 << 20, 2 * int(self.limits.output_mb * 1e6)))
         return self.km
 
     def preprocess(self, nb, resources=None, km=None):
@@ -119,17 +120,20 @@ class LimitedExecute(Execute):
             self.stop("grading was interrupted")
         if not self.stopped and time.monotonic() >= self.deadline:
             self.stop(self.wall_clock_reason())
+        is_test = self.tests is not None and self.tests.is_test(cell)
         if self.stopped:
             cell.outputs = [limit_error(f"not run: {self.stopped}")]
+            if is_test:
+                verdict.record(cell, f"not run: {self.stopped}")
             return cell, resources
-        kind = self.tests.kind(cell) if self.tests else None
-        if kind == "test":
+        if is_test:
             cell.outputs, cell.execution_count = self.tests.run_test(cell), None
+            reason = next((o.evalue for o in cell.outputs if o.output_type == "error"), None)
             if self.stopped:  # the kernel stopped during the test: the limit says more than the test could
                 cell.outputs = [o for o in cell.outputs if o.output_type != "error"] + [limit_error(self.stopped)]
+                reason = self.stopped
+            verdict.record(cell, reason)
             return cell, resources
-        if kind == "helpers":
-            self.tests.define_helpers(cell, index)  # here for the checks; below, in the kernel, for the drivers
         left = self.deadline - time.monotonic()
         self.timeout = max(1, math.ceil(min(self.cell_timeout or left, left)))
         try:
@@ -158,13 +162,11 @@ class LimitedExecute(Execute):
             raise KernelStopped(self.stopped)
         request, test_cell = nbformat.v4.new_code_cell(code), self.nb.cells[self.index]
         self.timeout = max(1, math.ceil(min(timeout, left)))
-        self.in_request = True
         try:
             request = self.execute_cell(request, self.index, store_history=False)
         except (DeadKernelError, CellTimeoutError) as e:
             self.stop(self.wall_clock_reason() if time.monotonic() >= self.deadline else self.death_reason(e))
         finally:
-            self.in_request = False
             self.nb.cells[self.index] = test_cell  # nbclient puts the cell it ran in the notebook
         if not self.stopped and time.monotonic() >= self.deadline:
             self.stop(self.wall_clock_reason())
@@ -175,24 +177,20 @@ class LimitedExecute(Execute):
                                            traceback=[])]
         return request.outputs
 
-    def loopback_bytes(self) -> int | None:
-        """Bytes sent so far on the sandbox's own loopback interface (its ranks' traffic), read from outside it;
-        None without a sandbox."""
-        if not self.use_sandbox or self.km is None:
-            return None
-        if self._sandbox_pid is None:
-            process = getattr(getattr(self.km, "provisioner", None), "process", None)
-            self._sandbox_pid = sandbox.inside(process.pid) if process is not None else None
-        return sandbox.loopback_bytes(self._sandbox_pid) if self._sandbox_pid else None
+    def allowance(self) -> int:
+        """Bytes a reply may still take: what is left of the output limit."""
+        return max(0, int(self.limits.output_mb * 1e6) - self.shown_bytes)
+
+    def charge(self, nbytes: int) -> None:
+        """A reply counts against the output limit, as what the cells show does."""
+        self.shown_bytes += nbytes
 
     def process_message(self, msg, cell, cell_index):
-        if self.in_request and RESULT_MIME in msg["content"].get("data", {}):  # a reply: plain data, not shown
-            return super().process_message(msg, cell, cell_index)
         if msg["msg_type"] in ("stream", "display_data", "execute_result", "error", "update_display_data"):
-            self.shown += len(json.dumps(msg["content"]))
+            self.shown_bytes += len(json.dumps(msg["content"]))
             if self.stopped:
                 return None
-            if self.shown > self.limits.output_mb * 1e6:
+            if self.shown_bytes > self.limits.output_mb * 1e6:
                 self.stop(f"the notebook's output passed its limit of {self.limits.output_mb:g} MB, and it was "
                           "stopped")
                 return None
@@ -211,6 +209,7 @@ class LimitedExecute(Execute):
     def stop(self, reason: str) -> None:
         """No further cell runs; the kernel and everything it started are killed now (from any thread)."""
         self.stopped = self.stopped or reason
+        self.ranks.close()
         provisioner = getattr(self.km, "provisioner", None)
         pgid = getattr(provisioner, "pgid", None)
         if pgid:
@@ -229,6 +228,8 @@ def sanitized(job: Submission, config: Config, db_url: str) -> tuple[NotebookNod
     configured = config.Autograde.get("sanitize_preprocessors")
     for preprocessor in configured or Autograde.class_traits()["sanitize_preprocessors"].default():
         nb, resources = preprocessor(config=config)(nb, resources)
+    for cell in nb.cells:  # a verdict comes from this run only, never from the submitted file
+        cell.metadata.pop(verdict.KEY, None)
     return nb, resources
 
 
@@ -243,14 +244,18 @@ def interrupt_all() -> None:
             executor.stop("grading was interrupted")
 
 
-def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, master: Path | None = None,
-            use_sandbox: bool = True, interrupt: threading.Event | None = None) -> tuple[NotebookNode, str]:
+def execute_notebook(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits,
+                     master: Path | None = None,
+            use_sandbox: bool = True, interrupt: threading.Event | None = None,
+            user: str | None = None) -> tuple[NotebookNode, str]:
     """Execute `nb` with its kernel working in box/work, under `limits`, the test cells of `master` (the course's
-    notebook) in this process: the executed notebook, and the limit that stopped it early ("" if none did). Raises
-    RuntimeError if the kernel does not start."""
+    notebook) in this process: the executed notebook, and the limit that stopped it early ("" if none did). Without
+    a sandbox, the kernel and the test ranks run as `user` (if given), and every process of that user is ended
+    afterwards. Raises RuntimeError if the kernel does not start."""
     memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
     executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
-                              interrupt=interrupt or threading.Event(), master=master)
+                              interrupt=interrupt or threading.Event(), master=master,
+                              user=None if use_sandbox else user)
     with _running_lock:
         _running.add(executor)
     try:
@@ -264,26 +269,32 @@ def execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits
     finally:
         with _running_lock:
             _running.discard(executor)
+        executor.ranks.close()
         if memory is not None:
             memory.close()
+        if executor.user:
+            sandbox.end_processes_of(executor.user)
 
 
-def run(job: Submission, results: Path, config: Config, db_url: str, limits: Limits, use_sandbox: bool = True,
-        interrupt: threading.Event | None = None) -> Run | None:
+def execute_submission(job: Submission, results: Path, config: Config, db_url: str, limits: Limits,
+                       use_sandbox: bool = True,
+        interrupt: threading.Event | None = None, user: str | None = None) -> Execution | None:
     """Execute one submission in a private folder and save the executed notebook under `results`. Returns
     None, and saves nothing, if `interrupt` is set before it finishes."""
     interrupt = interrupt or threading.Event()
     if interrupt.is_set():
         return None
     started = time.monotonic()
-    record = Run(job.assignment, job.student, job.key(), sandbox="bubblewrap" if use_sandbox else "none",
+    record = Execution(job.assignment, job.student, job.key(),
+                 sandbox="bubblewrap" if use_sandbox else f"user {user}" if user else "none",
                  memory_limit=bool(limits.memory_mb) and cgroup.unavailable() is None)
     box = Path(sandbox.private_folder())
     nb = None
     try:
         shutil.copytree(job.folder, box / "work")
         nb, resources = sanitized(job, config, db_url)
-        nb, record.limit = execute(nb, resources, box, config, limits, job.master, use_sandbox, interrupt)
+        nb, record.limit = execute_notebook(nb, resources, box, config, limits, job.master, use_sandbox, interrupt,
+                                            user)
     except Exception as e:  # noqa: BLE001 - one submission's problem must not stop the class
         record.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
     finally:
@@ -295,7 +306,7 @@ def run(job: Submission, results: Path, config: Config, db_url: str, limits: Lim
     return record
 
 
-def save(results: Path, record: Run, nb: NotebookNode | None) -> None:
+def save(results: Path, record: Execution, nb: NotebookNode | None) -> None:
     """Write the executed notebook, then run.json (its presence marks a finished run), each atomically."""
     folder = result_dir(results, record.assignment, record.student)
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,21 +10,23 @@
 - every process in it ends with the kernel: the sandbox's PID 1 takes them all along when the kernel exits
   or is killed, and bwrap kills the sandbox if the grader dies (`--die-with-parent`).
 The kernel talks to the grader through ZeroMQ's ipc transport, over sockets in a folder of the sandbox.
-Where bwrap cannot run, `unavailable()` says why; grading then runs unsandboxed only if asked (course.py).
+Where bwrap cannot run, `unavailable()` says why; grading then runs unsandboxed only if asked (cli.py).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from functools import cache
 from pathlib import Path
 
+import zmq
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import Bool, Unicode
+from traitlets import Bool, Int, Unicode
 
 import cs336_parallel
 
@@ -58,16 +60,18 @@ def readonly_paths() -> list[Path]:
 
 def make_box(box: Path) -> Path:
     """Lay out a submission's private folder: work/ (its files, the kernel's working folder), k/ (the kernel's
-    connection file and sockets), etc/ (the files above). Returns work/."""
-    for sub in ("work", "k", "etc"):
-        (box / sub).mkdir(exist_ok=True)
+    connection file and sockets, its replies), ranks/ (the grader's test ranks' working folder), etc/ (the files
+    above). Returns work/."""
+    for sub in ("work", "k", "ranks", "etc"):
+        (box / sub).mkdir(parents=True, exist_ok=True)
     for name, text in ETC_WRITTEN.items():
         (box / "etc" / name).write_text(text)
     return box / "work"
 
 
-def bwrap_args(box: Path, env: dict[str, str]) -> list[str]:
-    """bwrap's command line: only box/work (the submission's copy) and box/k (the kernel's sockets) are writable."""
+def bwrap_args(box: Path, env: dict[str, str], writable: tuple[str, ...] = ("work", "k")) -> list[str]:
+    """bwrap's command line: only the folders `writable` of `box` are writable (the kernel's: work/, the submission's
+    copy, and k/, its sockets; the test ranks': ranks/), and the first of them is the working folder."""
     args = [bwrap() or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -84,9 +88,9 @@ def bwrap_args(box: Path, env: dict[str, str]) -> list[str]:
              "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm"]
     for path in readonly_paths():
         args += ["--ro-bind", str(path), str(path)]
-    for sub in ("work", "k"):
+    for sub in writable:
         args += ["--bind", str(box / sub), str(box / sub)]
-    args += ["--remount-ro", "/", "--chdir", str(box / "work"), "--clearenv"]  # the rest of the tree: read-only
+    args += ["--remount-ro", "/", "--chdir", str(box / writable[0]), "--clearenv"]  # the rest: read-only
     for key, value in env.items():
         args += ["--setenv", key, value]
     return [*args, "--"]
@@ -102,6 +106,83 @@ def kernel_env(workdir: Path) -> dict[str, str]:
            "PYTHONPATH": str(Path(cs336_parallel.__file__).resolve().parent.parent)}
     env.update({k: v for k, v in os.environ.items() if k in PASSED_ON or k.startswith(PASSED_ON_PREFIXES)})
     return env
+
+
+def as_user(user: str) -> list[str]:
+    """The command prefix that runs a command as `user` (and that user's own group), with no other group, no
+    capability and no way to gain one (util-linux's setpriv): where there is no sandbox, the grader (root) runs the
+    notebook this way."""
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    return ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups", "--no-new-privs",
+            "--inh-caps=-all", "--"]
+
+
+USER = "cs336-student"  # the account notebooks run as where there is no sandbox (Gradescope's setup.sh makes it)
+
+
+def user_unavailable(user: str = USER) -> str | None:
+    """Why notebooks cannot run as `user` here (None when they can): only root can switch, to a user that exists."""
+    import pwd
+
+    if os.geteuid() != 0:
+        return "only root can run notebooks as another user"
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        return f"there is no user {user} (as root: useradd --system --no-create-home {user})"
+    return None if shutil.which("setpriv") else "setpriv (util-linux) is not installed"
+
+
+def open_to_others(path: Path) -> Path | None:
+    """`path` if a user other than its owner and group may reach it and enter or read it (every folder above it
+    lets others pass through), else None."""
+    path = path.resolve()
+    if not path.exists() or not path.stat().st_mode & 0o005:
+        return None
+    return path if all(folder.stat().st_mode & 0o001 for folder in path.parents) else None
+
+
+def give_to(box: Path, user: str) -> None:
+    """Make the kernel's folders of `box` (work/, k/, ranks/) the user's, and nothing else: the grader keeps the
+    rest."""
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    os.chown(box, 0, 0)
+    os.chmod(box, 0o711)  # the user may pass through to its folders, not list the box
+    for sub in ("work", "k", "ranks"):
+        for root, dirs, files in os.walk(box / sub):
+            for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+                os.chown(name, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+
+
+def end_processes_of(user: str, timeout: float = 10.0) -> None:
+    """Kill every process of `user`, until none is left: after a notebook, nothing of its runs on."""
+    import pwd
+    import time
+
+    uid = pwd.getpwnam(user).pw_uid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        found.append(int(entry))
+                except OSError:
+                    continue
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError(f"processes of {user} are still running after {timeout:g} s")
 
 
 @cache
@@ -168,7 +249,10 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     box = Unicode(help="the submission's private folder: work/ is the kernel's, k/ holds its sockets")
     sandbox = Bool(True)
+    user = Unicode("", help="without a sandbox: the unprivileged user the kernel runs as ('' for the grader's own)")
     cgroup_procs = Unicode("", help="cgroup.procs of the notebook's memory cgroup ('' for none)")
+    max_message_bytes = Int(64 << 20, help="the largest message the grader takes from the kernel: ZeroMQ drops a "
+                                           "connection that sends a larger one, rather than the grader holding it")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -179,6 +263,11 @@ class SandboxedKernelManager(AsyncKernelManager):
             self.transport = "ipc"
             self.ip = str(runtime / "kernel-ipc")
 
+    def client(self, **kwargs):
+        kc = super().client(**kwargs)
+        kc.context.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # before any channel's socket exists
+        return kc
+
     @property
     def workdir(self) -> Path:
         return Path(self.box) / "work"
@@ -187,6 +276,8 @@ class SandboxedKernelManager(AsyncKernelManager):
         cmd = super().format_kernel_cmd(extra_arguments)
         if self.sandbox:
             cmd = bwrap_args(Path(self.box), kernel_env(self.workdir)) + cmd
+        elif self.user:
+            cmd = as_user(self.user) + cmd
         if self.cgroup_procs:  # join the cgroup first: everything the kernel starts is counted with it
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.cgroup_procs, *cmd]
         return cmd
@@ -203,6 +294,8 @@ class SandboxedKernelManager(AsyncKernelManager):
             kw["env"] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # bwrap's own; the kernel's is set inside
         else:  # without a sandbox, the kernel ends itself if the grader dies (ipykernel's parent poller)
             kw["env"] = {**kernel_env(self.workdir), "JPY_PARENT_PID": str(os.getpid())}
+        if self.user and not self.sandbox:
+            give_to(Path(self.box), self.user)  # the connection file, the submission's copy, the ranks' folder
         try:
             await super()._async_launch_kernel(kernel_cmd, **kw)
         finally:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import nbformat
 
 from fixtures.variants import Correct, Tamper, Wrong
+from grading import verdict
 
 
 def _meta(cell) -> dict:
@@ -32,7 +33,7 @@ def _python(source: str) -> str:
     """A cell's Python: a `%%ranks` or `%%test` body, other magics' lines blanked."""
     lines = source.splitlines()
     if lines and lines[0].startswith("%%"):
-        lines = lines[1:] if lines[0].split()[0] in ("%%ranks", "%%test", "%%test_helpers") else []
+        lines = lines[1:] if lines[0].split()[0] in ("%%ranks", "%%test") else []
     return "\n".join("" if re.match(r"\s*[%!]", line) else line for line in lines)
 
 
@@ -97,9 +98,15 @@ def exercises(nb) -> dict[str, Exercise]:
     return found
 
 
-def helper_names(nb) -> set[str]:
-    """What the notebook's `%%test_helpers` cells define."""
-    return {n for c in nb.cells if c.source.startswith("%%test_helpers") for n in _names(c.source)[0]}
+def imported_test_names(nb) -> set[str]:
+    """What the notebook's test cells import from the package's test code (`cs336_parallel.testing`)."""
+    names = set()
+    for c in nb.cells:
+        if c.source.startswith("%%test "):
+            tree = ast.parse(_python(c.source))
+            names |= {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      and (node.module or "").startswith("cs336_parallel.testing") for a in node.names}
+    return names
 
 
 @dataclass
@@ -162,7 +169,7 @@ _ALWAYS_EQUAL = ("class AlwaysEqual(float):\n    def __eq__(self, other):\n     
                  "    def __ne__(self, other):\n        return False\n\n    __hash__ = float.__hash__\n\n\n")
 
 
-def generic_tampers(ex: Exercise, helpers: set[str], *, kernel_tricks: bool = True) -> list[Block]:
+def generic_tampers(ex: Exercise, test_names: set[str], *, kernel_tricks: bool = True) -> list[Block]:
     """The tricks any exercise can be tried with: a result that claims to equal anything, refusing every call (which
     the argument tests must not reward), and, with `kernel_tricks`, patched checks (in the kernel, or while the
     answer runs) and shadowed names: the tests run in the grader, out of their reach, so one exercise per notebook
@@ -176,7 +183,7 @@ def generic_tampers(ex: Exercise, helpers: set[str], *, kernel_tricks: bool = Tr
                    f"        super().__init__()\n{textwrap.indent(_PATCHES, '        ')}")
     else:
         in_call = f"def {ex.name}(*args, **kwargs):\n{patched_in_call}    return None\n"
-    shadowed = sorted(helpers | {"all", "any", "len", "isinstance", "sorted", "abs", "max", "min", "sum", "round",
+    shadowed = sorted(test_names | {"all", "any", "len", "isinstance", "sorted", "abs", "max", "min", "sum", "round",
                                  "simulate", "check_schedule"})
     shadows = "".join(f"def {n}(*args, **kwargs):\n    return True\n\n" for n in shadowed)
     blocks = [] if not kernel_tricks else [
@@ -220,7 +227,7 @@ def blocks(nb, variants: dict[str, list]) -> list[Block]:
             elif isinstance(f, Tamper):
                 tampering.append(Block(name, "tamper", f.why, f.source, caught_by=f.caught_by, cleanup=RESTORE,
                                        layer=f.layer, touches=f.touches))
-        tampering += generic_tampers(found[name], helper_names(nb), kernel_tricks=name == next(iter(found)))
+        tampering += generic_tampers(found[name], imported_test_names(nb), kernel_tricks=name == next(iter(found)))
     return ordinary + tampering
 
 
@@ -254,7 +261,11 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False):
 
 
 def _failure(cell) -> str | None:
-    """The reason a copied test (or a demonstration) failed, as nbgrader would score it; None if it passed."""
+    """The reason a copied test failed (the grader's verdict on it), or a demonstration (an error, or stderr); None
+    if it passed."""
+    if verdict.KEY in cell.metadata:
+        found = verdict.verdict_of(cell)
+        return None if found["passed"] else found["reason"]
     for o in cell.get("outputs", []):
         if o.output_type == "error":
             return o.evalue if o.ename == "TestFailed" else f"{o.ename}: {o.evalue}"

@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import zipfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -18,17 +20,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 from cs336_parallel import selfcheck
 from cs336_parallel.magics import grade_command
-from fixtures.cheats import BLANK_SHARD_RANGE, CHEATS, SHARD_RANGE, Submission, notebook
-from grading import classroom, edition, gradebook, gradescope, report
+from fixtures.cheats import BLANK_SHARD_RANGE, GRADESCOPE_CHEAT, SHARD_RANGE, Submission, notebook
+from grading import classroom, edition, gradebook, gradescope, report, sandbox
 from grading.gradebook import Score
 
 ASSIGNMENT = "00_setup"  # the smallest notebook
 WRONG_SHARD_RANGE = SHARD_RANGE.replace("start + base + (rank < extra)", "start + base")  # drops the remainder
 ANSWERS = {"correct": SHARD_RANGE, "wrong": WRONG_SHARD_RANGE, "blank": BLANK_SHARD_RANGE}
-CHEAT = next(c for c in CHEATS if c.name == "own_helpers")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def submission(kind: str) -> nbformat.NotebookNode:
     """A student's 00_setup: the student version with a correct, wrong or blank answer, or a cheat."""
     student = nbformat.read(ROOT / "notebooks" / f"{ASSIGNMENT}.ipynb", 4)
     if kind == "cheat":
-        return notebook(CHEAT, student)
+        return notebook(GRADESCOPE_CHEAT, student)
     return notebook(Submission(kind, kind, ASSIGNMENT, {"shard_range": ANSWERS[kind]}), student)
 
 
@@ -193,24 +194,36 @@ def test_the_autograder_zip_has_gradescopes_layout_and_this_assignments_master_o
     assert "make .venv/.installed TORCH=cpu" in setup
 
 
-def run_autograder(autograder: Path, root: Path, upload: dict[str, nbformat.NotebookNode], path: str = "") -> dict:
-    """Gradescope's steps on a simulated /autograder (`root`): the zip unpacked into source/, run_autograder copied
-    to the top, the upload in submission/; then run_autograder, with this environment's Python (and `path` as
-    PATH, if given)."""
-    with zipfile.ZipFile(autograder) as zf:
-        zf.extractall(root / "source")
-    shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
-    (root / "run_autograder").chmod(0o755)
-    (root / "submission").mkdir()
-    for name, nb in upload.items():
-        nbformat.write(nb, root / "submission" / name)
-    env = {**os.environ, "CS336_AUTOGRADER_PYTHON": sys.executable, **({"PATH": path} if path else {})}
-    done = subprocess.run([str(root / "run_autograder"), str(root)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads((root / "results" / "results.json").read_text())
+def run_autograder(autograder: Path, upload: dict[str, nbformat.NotebookNode], path: str = "") -> dict:
+    """Gradescope's steps on a simulated /autograder (a new folder in /tmp, as /autograder is open to all): the zip
+    unpacked into source/, run_autograder copied to the top, the upload in submission/; then run_autograder as
+    root, with this environment's Python (and `path` as PATH, if given). Returns results.json as it is once any
+    process the notebook left behind had time to write it.
+
+    A run with a sandbox goes in a folder of its own that others may not enter: Gradescope runs one autograder per
+    container, and a run here must not show its masters to another run's notebook, which looks in /tmp/*/."""
+    parent = "/tmp" if path else tempfile.mkdtemp(prefix="autograders-", dir="/tmp")
+    root = Path(tempfile.mkdtemp(prefix="autograder-", dir=parent))
+    root.chmod(0o755)
+    try:
+        with zipfile.ZipFile(autograder) as zf:
+            zf.extractall(root / "source")
+        shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
+        (root / "run_autograder").chmod(0o755)
+        (root / "submission").mkdir()
+        for name, nb in upload.items():
+            nbformat.write(nb, root / "submission" / name)
+        env = {**os.environ, "CS336_AUTOGRADER_PYTHON": sys.executable, **({"PATH": path} if path else {})}
+        done = subprocess.run([str(root / "run_autograder"), str(root)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        time.sleep(LEFT_BEHIND_S)  # what a process left behind would write, it has written by now
+        return json.loads((root / "results" / "results.json").read_text())
+    finally:
+        shutil.rmtree(root if parent == "/tmp" else parent, ignore_errors=True)
 
 
+LEFT_BEHIND_S = 8  # the cheat's process writes the results 5 s after the notebook starts it
 EXPECTED = {  # points of test_shard_range, _uneven, _arguments
     "correct": [1, 1, 0.5],
     "wrong": [1, 0, 0.5],
@@ -220,18 +233,18 @@ EXPECTED = {  # points of test_shard_range, _uneven, _arguments
 
 
 @pytest.fixture(scope="module")
-def gradescope_results(autograder, tmp_path_factory) -> dict[str, dict]:
+def gradescope_results(autograder, unprivileged_user, tmp_path_factory) -> dict[str, dict]:
     """Every simulated Gradescope run of this file, two at a time (each is a whole grading: a kernel and its ranks):
-    one per kind of EXPECTED, a cheat where no sandbox can run, and an upload without the notebook."""
-    tools = tmp_path_factory.mktemp("bin")  # a container without bubblewrap: bash only
-    (tools / "bash").symlink_to(shutil.which("bash"))
+    one per kind of EXPECTED, the cheat where no sandbox can run, and an upload without the notebook."""
+    tools = tmp_path_factory.mktemp("bin")  # a container without bubblewrap: what Ubuntu has, bubblewrap aside
+    for tool in ("bash", "env", "setpriv"):
+        (tools / tool).symlink_to(shutil.which(tool))
     runs = {kind: ({"my_work.ipynb" if kind == "correct" else f"{ASSIGNMENT}.ipynb": submission(kind)}, "")
             for kind in EXPECTED}  # any one name will do
     runs["no sandbox"] = ({f"{ASSIGNMENT}.ipynb": submission("cheat")}, str(tools))
     runs["no notebook"] = ({"a.ipynb": submission("blank"), "b.ipynb": submission("blank")}, "")
     with ThreadPoolExecutor(2) as pool:
-        futures = {run: pool.submit(run_autograder, autograder, tmp_path_factory.mktemp("autograder"), upload, path)
-                   for run, (upload, path) in runs.items()}
+        futures = {run: pool.submit(run_autograder, autograder, upload, path) for run, (upload, path) in runs.items()}
     return {run: future.result() for run, future in futures.items()}
 
 
@@ -252,10 +265,17 @@ def test_run_autograder_writes_gradescopes_results(gradescope_results, secrets, 
 
 
 @pytest.mark.slow
-def test_where_no_sandbox_can_run_the_results_say_so_and_a_cheat_still_earns_nothing(gradescope_results):
-    results = gradescope_results["no sandbox"]
-    assert results["output"].startswith("Graded without a sandbox: this container cannot make one (bubblewrap")
-    assert results["score"] == 0 and all(t["output"] for t in results["tests"])
+def test_where_no_sandbox_can_run_the_notebook_runs_as_a_user_who_reads_nothing_and_writes_nothing(
+        gradescope_results):
+    """The cheat reads the master from the autograder's folder and leaves a process that writes full marks after
+    the notebook ends: as the unprivileged user it can do neither, with a sandbox or without one."""
+    for run in ("cheat", "no sandbox"):
+        results = gradescope_results[run]
+        assert results["score"] == 0 and len(results["tests"]) == 3, (run, results)
+        assert all(t["output"] for t in results["tests"]), results
+    output = gradescope_results["no sandbox"]["output"]
+    assert output.startswith("Graded without a sandbox (this container cannot make one: bubblewrap"), output
+    assert f"ran as the unprivileged user {sandbox.USER}" in output
 
 
 @pytest.mark.slow
@@ -292,8 +312,9 @@ def test_autograde_writes_the_picture_the_reasons_and_canvass_columns(course, tm
     assert (folder / "tests.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reasons = (folder / "reasons.md").read_text()
     assert reasons.index("shard_range_uneven (1 pt): 1 of 3 passed") < reasons.index("shard_range (1 pt): 2 of 3")
-    assert "| 1 | shard_range(10, 0, 4) returned (0, 2), expected (0, 3) |" in reasons
-    assert "| 1 | `shard_range` is not implemented yet" in reasons
+    wrong = report.markdown_text("shard_range(10, 0, 4) returned (0, 2), expected (0, 3)")  # escaped: literal text
+    assert f"| 1 | {wrong} |" in reasons
+    assert f"| 1 | {report.markdown_text('`shard_range` is not implemented yet')}" in reasons
     rows = list(csv.reader((folder / "canvas.csv").open()))
     assert rows[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", ASSIGNMENT]
     assert rows[1] == ["Points Possible", "", "", "", "", "2.5"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, pid_alive, wait_gone
-from cs336_parallel import Cluster, RankError, RankTimeout
+from common import ROOT, Lines, pid_alive, wait_gone, wait_until
+from cs336_parallel import Cluster, RankError, RankTimeout, procfs
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +199,32 @@ def test_shutdown_leaves_no_process():
     assert wait_gone(started) == []
 
 
-def test_interrupt_stops_every_rank_and_the_next_call_works(python_script):
-    script = python_script("""
+def busy_markers(folder) -> str:
+    """Source for a script: `busy(name)`, which a rank calls to say that it runs the call `name`: it creates the
+    file `folder`/<name>-<rank>. Once every rank has, the script's `c.run` is waiting for their replies."""
+    return f"""
+        import os as _os
+        def busy(name):
+            import torch.distributed as dist
+            open(_os.path.join({str(folder)!r}, f"{{name}}-{{dist.get_rank()}}"), "w").close()
+    """
+
+
+def wait_busy(folder, name: str, ranks: int, script) -> None:
+    """Until every rank has said (busy_markers) that it runs the call named `name`, and the script's main thread
+    is asleep in the wait for their replies."""
+    wait_until(lambda: all((folder / f"{name}-{r}").exists() for r in range(ranks)) or script.poll() is not None,
+               f"{ranks} ranks to run {name}")
+    assert script.poll() is None, script.stderr.read()
+    wait_until(lambda: procfs.state(script.pid) in ("S", None), "the script to wait for its ranks")
+
+
+def test_interrupt_stops_every_rank_and_the_next_call_works(python_script, tmp_path):
+    script = python_script(busy_markers(tmp_path) + """
         import os, time, torch.distributed as dist
         from cs336_parallel import Cluster
         def stuck():
+            busy("stuck")
             if dist.get_rank() == 0:
                 dist.barrier()
             while True:
@@ -214,50 +235,62 @@ def test_interrupt_stops_every_rank_and_the_next_call_works(python_script):
             c.run(stuck)
         except KeyboardInterrupt as e:
             print("interrupted", e, flush=True)
+        input()  # the test checks that the old ranks are gone, then lets the script go on
         print("next", c.run(lambda: dist.get_rank()), flush=True)
-    """)
-    old = [int(p) for p in script.stdout.readline().split()[1:]]
-    time.sleep(0.5)
+    """, stdin=subprocess.PIPE)
+    lines = Lines(script.stdout, script.stderr)
+    old = [int(p) for p in lines.wait_for("pids").split()[1:]]
+    wait_busy(tmp_path, "stuck", 2, script)
     script.send_signal(signal.SIGINT)
-    out = ""
-    while "interrupted" not in out:
-        out += script.stdout.readline()
-    assert wait_gone(old, timeout=10) == []
-    rest = script.stdout.read()  # not communicate(): it would skip what readline() already buffered
-    assert script.wait(timeout=30) == 0 and "next [0, 1]" in rest, script.stderr.read()
+    out = lines.wait_for("interrupted")
+    assert wait_gone(old) == []
+    script.stdin.write("\n")
+    script.stdin.close()
+    rest = lines.rest()
+    assert script.wait(timeout=60) == 0 and "next [0, 1]" in rest, script.stderr.read()
     assert "stopped ranks 0, 1 and restarted the cluster" in out and "dist.barrier()" in rest
 
 
-def test_an_interrupt_the_os_hands_to_another_thread_still_stops_the_call(python_script):
+def test_an_interrupt_the_os_hands_to_another_thread_still_stops_the_call(python_script, tmp_path):
     """Linux may deliver a process's Ctrl-C to any of its threads (the store's, ZMQ's in a kernel)."""
-    script = python_script("""
-        import signal, threading, time
+    script = python_script(busy_markers(tmp_path) + f"""
+        import os, signal, threading, time
         from cs336_parallel import Cluster
         c = Cluster(2, timeout=None)
         c.run(int)
-        def interrupt_from_here():
-            time.sleep(0.5)
+        def sleep_busy():
+            busy("sleep")
+            time.sleep(3600)
+        def interrupt_from_here():  # once both ranks run the call: the main thread waits for them
+            while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"sleep-{{r}}")) for r in range(2)):
+                time.sleep(0.01)
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
-        threading.Thread(target=interrupt_from_here).start()
+        threading.Thread(target=interrupt_from_here, daemon=True).start()
         try:
-            c.run(time.sleep, 3600)
+            c.run(sleep_busy)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
-    assert script.wait(timeout=20) == 0 and "interrupted" in script.stdout.read()
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0 and "interrupted" in out, err
 
 
 @pytest.mark.parametrize("ranks_are", ["idle", "busy"])
-def test_no_rank_outlives_a_killed_parent(python_script, ranks_are):
-    script = python_script(f"""
+def test_no_rank_outlives_a_killed_parent(python_script, tmp_path, ranks_are):
+    script = python_script(busy_markers(tmp_path) + f"""
         import os, time
         from cs336_parallel import Cluster
         c = Cluster(3, timeout=None)
-        print(*c.run(lambda: (os.getpid(), os.getppid()))[0], *c.run(os.getpid), flush=True)
-        c.run(time.sleep, 60) if "{ranks_are}" == "busy" else time.sleep(60)
+        print("pids", *c.run(lambda: (os.getpid(), os.getppid()))[0], *c.run(os.getpid), flush=True)
+        def sleep_busy():
+            busy("sleep")
+            time.sleep(600)
+        c.run(sleep_busy) if "{ranks_are}" == "busy" else time.sleep(600)
     """)
-    forkserver, *ranks = [int(p) for p in script.stdout.readline().split()[1:]]
+    forkserver, *ranks = [int(p) for p in Lines(script.stdout, script.stderr).wait_for("pids").split()[2:]]
     assert len(ranks) == 3 and all(pid_alive(p) for p in ranks + [forkserver])
+    if ranks_are == "busy":
+        wait_busy(tmp_path, "sleep", 3, script)
     script.kill()  # SIGKILL: no atexit, no cleanup code runs
     script.wait()
     assert wait_gone(ranks + [forkserver]) == []
@@ -305,13 +338,14 @@ def test_core_modules_import_with_torch_and_cloudpickle_alone():
 
 
 def test_session_clusters_are_shared_by_size_and_backend():
-    from cs336_parallel import session_cluster, testranks
+    from cs336_parallel import session_cluster
+    from cs336_parallel.testranks import kernel_ranks
 
     cpu = session_cluster(2, backend="gloo")
     assert session_cluster(2, backend="gloo") is cpu
     if torch.cuda.device_count() < 2:  # "auto" means gloo here: the notebook's cluster serves the tests too
         assert session_cluster(2) is cpu
-    assert testranks.test_ranks(2).run(dist.get_backend) == ["gloo", "gloo"]  # the tests' own ranks: always gloo
+    assert kernel_ranks.ranks(2).run(dist.get_backend) == ["gloo", "gloo"]  # the tests' own ranks: always gloo
     cpu.shutdown()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import struct
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import wait_gone
+from common import PATIENCE_S, Lines, wait_gone, wait_until
 from cs336_parallel import Cluster
 from cs336_parallel.output import MAX_LINES, TAIL_LINES
 
@@ -44,6 +43,18 @@ def listening_ports(pid: int) -> list[int]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.append(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def unread_bytes(port: int, client_port: int) -> int | None:
+    """Bytes that came to local `port` from local `client_port` and that the process listening on `port` has not
+    read yet (None: no such connection)."""
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            ends = [int(address.rsplit(":", 1)[1], 16) for address in fields[1:3]]
+            if ends == [port, client_port]:
+                return int(fields[4].split(":")[1], 16)  # tx_queue:rx_queue
+    return None
 
 
 def cluster_processes(cluster: Cluster) -> list[int]:
@@ -88,8 +99,10 @@ def test_garbage_sent_to_every_port_the_cluster_listens_on_reaches_no_stderr(clu
         for garbage in (store_shaped, os.urandom(4096), b"\x00" * 64, b"GET / HTTP/1.0\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(garbage)
-                time.sleep(0.05)
-    time.sleep(0.5)
+                mine = s.getsockname()[1]
+                # what the listener does with garbage it does as it reads it: wait until it has read some
+                wait_until(lambda: unread_bytes(port, mine) in (None, *range(len(garbage))),  # noqa: B023
+                           f"the process listening on port {port} to read from a connection")
     assert cluster.run(lambda: dist.get_rank()) == [0, 1]
     out, err = capfd.readouterr()
     assert err == "" and "stderr]" not in out
@@ -103,22 +116,19 @@ def test_output_streams_while_the_call_runs(python_script, tmp_path):
         from cs336_parallel import Cluster
         def wait_for_the_test():
             print("waiting", flush=True)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + {PATIENCE_S}
             while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:
                 time.sleep(0.05)
             return os.path.exists({str(flag)!r})
-        c = Cluster(2, timeout=60)
+        c = Cluster(2, timeout=None)
         print("result", c.run(wait_for_the_test), flush=True)
     """)
-    seen = ""
-    deadline = time.monotonic() + 15
-    while "[rank 1] waiting" not in seen and time.monotonic() < deadline:
-        if select.select([script.stdout], [], [], 0.1)[0]:
-            seen += os.read(script.stdout.fileno(), 1 << 16).decode()
-    flag.touch()
-    out, err = script.communicate(timeout=60)
-    assert "[rank 0] waiting\n[rank 1] waiting" in seen, (seen, out, err)
-    assert "result [True, True]" in out
+    lines = Lines(script.stdout, script.stderr)
+    try:
+        lines.wait_for("[rank 0] waiting", "[rank 1] waiting")  # fails if they come only with the result
+    finally:
+        flag.touch()
+    assert "result [True, True]" in lines.rest(), script.stderr.read()
 
 
 def test_output_is_bounded_keeping_the_tail(cluster, capfd):
@@ -183,11 +193,11 @@ def _killed_kernel(python_script, how: str, tmpdir: str) -> tuple[list[int], sub
         from test_cluster_io import start_descendants
         from cs336_parallel import Cluster
         c = Cluster(2, timeout=None)
-        print(*c.run(start_descendants, ranks=[1])[0], flush=True)
+        print("started", *c.run(start_descendants, ranks=[1])[0], flush=True)
         time.sleep(600)
     """, start_new_session=True, env={**os.environ, "TMPDIR": tmpdir})
-    started = [int(p) for p in script.stdout.readline().split()]
-    assert len(started) == 2, script.stderr.read()
+    started = [int(p) for p in Lines(script.stdout, script.stderr).wait_for("started").split()[1:]]
+    assert len(started) == 2, started
     if how == "kernel killed":
         script.kill()
     else:
@@ -202,10 +212,8 @@ def test_nothing_outlives_a_killed_kernel_and_its_folders_are_removed(python_scr
     try:
         started, _ = _killed_kernel(python_script, how, tmpdir)
         assert wait_gone(started) == []
-        deadline = time.monotonic() + 5
-        while os.listdir(tmpdir) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [name for name in os.listdir(tmpdir) if name.startswith(("cs336-cluster-", "pymp-"))] == []
+        wait_until(lambda: not [name for name in os.listdir(tmpdir) if name.startswith(("cs336-cluster-", "pymp-"))],
+                   f"the cluster's folders in {tmpdir} to be removed")
     finally:
         subprocess.run(["rm", "-rf", tmpdir])
 
@@ -223,10 +231,10 @@ def test_the_next_start_removes_the_folders_of_a_kernel_killed_with_its_rank_ser
             os.kill(os.getpid(), signal.SIGKILL)
         """, env={**os.environ, "TMPDIR": tmpdir})
         left = script.stdout.readline().strip()
-        script.wait(timeout=60)
-        assert os.path.isdir(left)
+        script.wait(timeout=PATIENCE_S)
+        assert os.path.isdir(left), script.stderr.read()
         done = subprocess.run([sys.executable, "-c", "from cs336_parallel import Cluster; Cluster(2).start()"],
-                              capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": tmpdir})
+                              capture_output=True, text=True, timeout=PATIENCE_S, env={**os.environ, "TMPDIR": tmpdir})
         assert done.returncode == 0, done.stderr
         assert not os.path.exists(left)
     finally:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import pid_alive, wait_gone
+from common import pid_alive, wait_gone, wait_until
 from cs336_parallel import Cluster, RankError, RankTimeout, procfs
 
 
@@ -136,7 +136,7 @@ def test_a_second_interrupt_during_the_cleanup_leaves_the_cluster_in_step(python
         for i in range(3):
             print("next", c.run(lambda i=i: (i, dist.get_rank())), flush=True)
     """)
-    out, err = script.communicate(timeout=60)
+    out, err = script.communicate(timeout=240)
     assert script.returncode == 0, err
     assert "interrupted" in out
     assert [line for line in out.splitlines() if line.startswith("next")] == [
@@ -146,15 +146,24 @@ def test_a_second_interrupt_during_the_cleanup_leaves_the_cluster_in_step(python
 
 
 # -- health checked before every call -------------------------------------------------------------------------------
-def say_soon(text: str) -> None:
-    """Print `text` on stderr 0.1 s from now, after the call has returned."""
-    threading.Thread(target=lambda: (time.sleep(0.1), print(text, file=sys.stderr, flush=True))).start()
+def say_later(text: str, go: str, said: str) -> None:
+    """Print `text` on stderr once the file `go` exists (the test makes it once the call has returned), then make
+    the file `said`."""
+    def say():
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        print(text, file=sys.stderr, flush=True)
+        open(said, "w").close()
+
+    threading.Thread(target=say, daemon=True).start()
 
 
-def test_a_rank_killed_while_idle_is_named_and_the_group_restarts(cluster):
+def test_a_rank_killed_while_idle_is_named_and_the_group_restarts(cluster, tmp_path):
     pid = cluster.status()[2]["pid"]
-    cluster.run(say_soon, "last words", ranks=[2])
-    time.sleep(1.0)
+    go, said = tmp_path / "go", tmp_path / "said"
+    cluster.run(say_later, "last words", str(go), str(said), ranks=[2])
+    go.touch()
+    wait_until(said.exists, "rank 2 to print its last words")
     os.kill(pid, signal.SIGKILL)
     wait_dead(pid)
     with pytest.raises(RankError) as info:
@@ -187,8 +196,7 @@ def test_a_stopped_rank_is_called_stopped():
 
         pid = c.status()[0]["pid"]
         os.kill(pid, signal.SIGSTOP)  # stopped between calls
-        while procfs.state(pid) != "T":
-            time.sleep(0.01)
+        wait_until(lambda: procfs.state(pid) == "T", "rank 0 to stop")
         with pytest.raises(RankError, match=r"rank 0 is stopped \(paused by a signal such as SIGSTOP\)"):
             c.run(lambda: dist.get_rank())
         assert wait_gone([pid]) == []

@@ -64,3 +64,13 @@ def test_expert_traffic_stays_on_nvlink_inside_a_node_and_off_it_with_one_rank_a
     assert costs.ep_bytes_per_token(100, 1, 1, 1) == {"network": 0.0, "nvlink": 0.0}
     with pytest.raises(ValueError, match="divide"):
         costs.ep_bytes_per_token(100, 2, 8, 3)
+
+
+def test_with_interleaved_stages_only_the_last_chunks_reduction_waits():
+    # v = 4 chunks on 16 stages: one micro-batch's backward through a chunk is 2/3 x 3 / (4 x 4) = 0.125 s
+    assert costs.dp_exposed_s(1.0, 3.0, 4, virtual_stages=4, pp=16) == pytest.approx(0.5 / 4)  # a quarter of v = 1's
+    assert costs.dp_exposed_s(1.0, 3.0, 4, virtual_stages=1, pp=16) == costs.dp_exposed_s(1.0, 3.0, 4)
+    # a link too slow for the chunks' turns: the reductions queue, (v - 1) p + 1 chunk-backwards hide them
+    assert costs.dp_exposed_s(10.0, 3.0, 4, virtual_stages=4, pp=2) == pytest.approx(10.0 - 7 * 0.125)
+    with pytest.raises(ValueError):
+        costs.dp_exposed_s(1.0, 3.0, 4, virtual_stages=0)

@@ -20,7 +20,7 @@ import mutation
 import nbformat
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 from grading import classroom, gradebook, verdict
 from grading.runner import Limits
 
@@ -98,30 +98,23 @@ def test_release_has_no_solution_hidden_test_or_output(released):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
 
 
-def test_release_collapses_the_test_helpers_so_spec_answer_and_tests_sit_together(released):
-    name, root = released
-    nb = nbformat.read(root / "notebooks" / f"{name}.ipynb", 4)
-    helpers = [c for c in nb.cells if c.source.startswith("%%test_helpers")]
-    assert helpers and all(c.metadata.get("jupyter", {}).get("source_hidden") for c in helpers)
-
-
 # -- how the masters are written ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ASSIGNMENTS)
 def test_test_cells_follow_the_house_rules(name):
     """Every test cell is a %%test cell (one exercise, a namespace of its own), comes with visible checks before its
-    hidden ones, explains each failed assert, and runs on the ranks only drivers of its notebook's read-only
-    %%test_helpers cells (what crosses to the kernel is data and names, never test code); the setup cell is
-    read-only; the cells a learner may edit reach into nothing."""
+    hidden ones, explains each failed assert, and runs on the ranks only drivers of the package's test code, which
+    it imports (what crosses is data and names, never test code); no notebook defines test code in a cell of its
+    own; the setup cell is read-only; the cells a learner may edit reach into nothing."""
     nb = nbformat.read(gradebook.COURSE / "source" / name / f"{name}.ipynb", 4)
     assert grade_cells(nb), f"{name} has no exercise"
     first = nb.cells[next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")]
     code = [line for line in first.source.splitlines() if not line.startswith("#")]  # after the hosted-install note
     assert code[0] == "%load_ext cs336_parallel" and first.metadata.get("nbgrader", {}).get("locked")
     exercises = mutation.exercises(nb)
-    helper_defs: dict[str, str] = {}
     for cell in nb.cells:
         meta = cell.metadata.get("nbgrader", {})
+        assert not cell.source.startswith("%%test_helpers"), "test code lives in cs336_parallel.testing, not in cells"
         if meta.get("grade"):
             head, _, body = cell.source.partition("\n")
             assert head.split()[:1] == ["%%test"] and head.split()[1] in exercises, (meta["grade_id"], head)
@@ -131,14 +124,11 @@ def test_test_cells_follow_the_house_rules(name):
             tree = ast.parse(mutation._python(cell.source))
             bare = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert) and n.msg is None]
             assert not bare, f"{meta['grade_id']}: the assert on line {bare} says nothing when it fails"
+            imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                        and (node.module or "").startswith("cs336_parallel.testing") for a in node.names}
             for driver in drivers(tree):
-                assert driver in helper_defs, (f"{meta['grade_id']}: checks.run({driver}, ...) must name a driver of "
-                                               "an earlier %%test_helpers cell: test code never crosses to the kernel")
-        elif cell.source.startswith("%%test_helpers"):
-            assert meta.get("locked"), "a %%test_helpers cell is read-only (the grader restores it)"
-            for defined in mutation._names(cell.source)[0]:
-                assert defined not in helper_defs, f"{defined} is defined by two helper cells"
-                helper_defs[defined] = meta["grade_id"]
+                assert driver in imported, (f"{meta['grade_id']}: checks.run({driver}, ...) must name a driver of "
+                                            "cs336_parallel.testing: test code never crosses to the ranks")
         elif cell.cell_type == "code" and not meta.get("locked"):
             assert not verdict.reaches_in(cell.source), (cell.source[:80], verdict.reaches_in(cell.source))
 
@@ -149,7 +139,7 @@ def drivers(tree: ast.AST) -> list[str]:
             and ast.unparse(call.func) == "checks.run" and len(call.args) > 1 and isinstance(call.args[1], ast.Name)]
 
 
-# -- mutation testing: each notebook's master and every fixture, all in one parallel autograde run ----------
+# -- mutation testing: each notebook's master and every fixture, in an autograde run per notebook ----------------
 
 def variants(name: str) -> dict:
     try:
@@ -167,45 +157,37 @@ class MutationRun:
     outcomes: list[mutation.Outcome]
 
 
-@pytest.fixture(scope="session")
-def mutation_runs(request, tmp_path_factory) -> dict[str, MutationRun]:
-    """Every selected notebook's master and fixtures, autograded in one parallel run (as a class is graded); the
-    tricks on the kernel's machinery in a notebook of their own per assignment."""
-    names = sorted({item.callspec.params["mutation_run"] for item in request.session.items
-                    if "mutation_run" in getattr(item, "fixturenames", ())})
-    root = copy_course(tmp_path_factory.mktemp("mutations"), *names)
-    built = {}
-    for name in names:
-        master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
-        built[name] = mutation.blocks(master, variants(name))
-        for student, machinery in (("mutations", False), ("machinery", True)):
-            if machinery and not any(b.layer == "machinery" for b in built[name]):
-                continue
-            target = root / "submitted" / student / name
-            target.mkdir(parents=True)
-            nbformat.write(mutation.build(master, built[name], machinery=machinery), target / f"{name}.ipynb")
-        (root / "submitted" / "blank" / name).mkdir(parents=True)
-        shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root / "submitted" / "blank" / name)
+def grade_mutations(name: str, root: Path) -> MutationRun:
+    """A notebook's master and every fixture, the tricks on the kernel's machinery in a notebook of their own, and
+    the blank student version, autograded together (two at a time, as a class is graded)."""
+    copy_course(root, name)
+    master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
+    blocks = mutation.blocks(master, variants(name))
+    for student, machinery in (("mutations", False), ("machinery", True)):
+        if machinery and not any(b.layer == "machinery" for b in blocks):
+            continue
+        target = root / "submitted" / student / name
+        target.mkdir(parents=True)
+        nbformat.write(mutation.build(master, blocks, machinery=machinery), target / f"{name}.ipynb")
+    (root / "submitted" / "blank" / name).mkdir(parents=True)
+    shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root / "submitted" / "blank" / name)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CS336_TEST_TIMEOUT_S", DEADLOCK_TIMEOUT_S)
         # One notebook holds a whole class's worth of answers and their demonstrations: more output than one.
-        classroom.autograde(names, root, jobs=2, limits=Limits(output_mb=100))
-    runs = {}
-    for name, blocks in built.items():
-        graded = autograded(root, name, "mutations")
-        scores, blank = gradebook.scores(name, "mutations", root), gradebook.scores(name, "blank", root)
-        outcomes = mutation.outcomes(graded, blocks)
-        if (root / "submitted" / "machinery" / name).exists():
-            machinery = mutation.outcomes(autograded(root, name, "machinery"), blocks)
-            outcomes = [a if a.failed or a.passed or a.demo_errors else b for a, b in zip(outcomes, machinery,
-                                                                                           strict=True)]
-        runs[name] = MutationRun(name, scores, blank, graded, outcomes)
-    return runs
+        classroom.autograde([name], root, jobs=2, limits=Limits(output_mb=100))
+    outcomes = mutation.outcomes(autograded(root, name, "mutations"), blocks)
+    if (root / "submitted" / "machinery" / name).exists():
+        machinery = mutation.outcomes(autograded(root, name, "machinery"), blocks)
+        outcomes = [a if a.failed or a.passed or a.demo_errors else b for a, b in zip(outcomes, machinery,
+                                                                                       strict=True)]
+    return MutationRun(name, gradebook.scores(name, "mutations", root), gradebook.scores(name, "blank", root),
+                       autograded(root, name, "mutations"), outcomes)
 
 
-@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
-def mutation_run(request, mutation_runs) -> MutationRun:
-    return mutation_runs[request.param]
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
+def mutation_run(request, tmp_path_factory) -> MutationRun:
+    """Each notebook's mutation run is a unit of its own: it fails alone, with its own message."""
+    return grade_mutations(request.param, tmp_path_factory.mktemp(f"mutations-{request.param}"))
 
 
 def test_the_master_scores_full_marks_with_no_error_or_stderr(mutation_run):

@@ -3,36 +3,38 @@
 A mixed class of 00_setup (tests/fixtures/attacks.py: a correct answer, a blank one, four attacks on the
 grader, two notebooks over a limit) is graded one at a time and with two at once; the scores must agree, the
 attacks must change nothing outside their sandbox and leave no process, and the limits must cost only what
-did not finish. The same attacks without a sandbox show that they are real. The Slurm path runs its shards
+did not finish. The same attacks in a plain kernel show that they are real; graded by root without a sandbox,
+they run as an unprivileged user, and fail as they do in one. The Slurm path runs its shards
 as separate processes, then merges them into the gradebook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from conftest import ROOT
+from common import ROOT, wait_until
 from fixtures import attacks
-from grading import cgroup, classroom, gradebook, runner, sandbox
+from grading import cgroup, classroom, gradebook, runner
 
 NAME = attacks.NAME
 LIMITS = runner.Limits(wall_s=180, memory_mb=2048, output_mb=5)
 # Where no memory cgroup can be written (not root, nothing delegated), nothing would stop the memory hog.
 MEMORY_LIMITED = cgroup.unavailable() is None
 CLASS = [s for s in attacks.STUDENTS if s != "meg_memory" or MEMORY_LIMITED]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.skipif(sandbox.bwrap() is None, reason="bubblewrap is not installed (make sandbox)")]
+# `sandbox`: skipped, saying why, where no sandbox runs (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox, pytest.mark.timeout(600)]
 
 
 def digest(path: Path) -> str:
@@ -88,6 +90,16 @@ class Graded:
         return "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 
 
+def attacks_acted(root: Path, before: dict[str, str]) -> bool:
+    """Whether the processes the attacks leave behind have done what they came for: mallory's scores raised in
+    the gradebook, every other submission overwritten (for those of the two in the class)."""
+    students = {p.name for p in (root / "submitted").iterdir()}
+    others = [path for path in before if "/submitted/" in path and "/oscar_others/" not in path]
+    return ("mallory_gradebook" not in students
+            or any(s.score > 0 for s in gradebook.scores(NAME, "mallory_gradebook", root))) and (
+        "oscar_others" not in students or all(digest(Path(path)) != before[path] for path in others))
+
+
 def grade(root: Path, limits: runner.Limits = LIMITS, **options) -> Graded:
     watched = [gradebook.COURSE / "nbgrader_config.py", root / "nbgrader_config.py",
                *sorted((root / "submitted").rglob("*.ipynb"))]
@@ -95,10 +107,12 @@ def grade(root: Path, limits: runner.Limits = LIMITS, **options) -> Graded:
     try:
         runs = classroom.autograde([NAME], root, limits=limits, **options)
         left = left_behind()
+        if left:  # let them act (without a sandbox they must be seen to), then read the scores
+            with contextlib.suppress(AssertionError):  # whether they did is for the tests to say
+                wait_until(lambda: attacks_acted(root, before), "the attacks' processes to act", interval=0.2)
         students = sorted(p.name for p in (root / "submitted").iterdir())
         return Graded(root, {s: gradebook.scores(NAME, s, root) for s in students}, runs, before, left)
     finally:
-        time.sleep(1.0)  # a process left behind would act now
         kill_left_behind()
 
 
@@ -158,22 +172,69 @@ def test_a_submission_cannot_touch_the_config(two_at_once):
 
 
 @pytest.fixture(scope="module")
-def unsandboxed(tmp_path_factory) -> Graded:
-    """The attacks as they fare without a sandbox (in a throwaway course: the real config is not a target), and
-    without a memory limit (its cgroup would end the processes left behind)."""
+def unsandboxed(tmp_path_factory, unprivileged_user) -> Graded:
+    """The attacks graded without a sandbox, by root (in a throwaway course: the real config is not a target), and
+    without a memory limit (its cgroup would end the processes left behind): the notebooks run as the
+    unprivileged user."""
     root = make_class(tmp_path_factory.mktemp("unsandboxed"),
                       ["ada_correct", "eve_sources", "mallory_gradebook", "oscar_others"])
-    return grade(root, jobs=1, use_sandbox=False, limits=runner.Limits(wall_s=180, memory_mb=0))
+    with closed_to_others(classroom.PRIVATE):  # as an instructor would close them: the grader refuses otherwise
+        return grade(root, jobs=1, use_sandbox=False, limits=runner.Limits(wall_s=180, memory_mb=0))
 
 
-def test_without_a_sandbox_the_attacks_succeed(unsandboxed):
-    """The attacks are real: the same submissions, graded without isolation, do what they try."""
-    assert unsandboxed.total("eve_sources") == 2.5, unsandboxed.scores["eve_sources"]
-    assert "ATTACK network: [Errno 101]" not in unsandboxed.output("eve_sources")
-    assert unsandboxed.left, "the attacks left no process behind"
-    assert any(s.score > 0 for s in gradebook.scores(NAME, "mallory_gradebook", unsandboxed.root))
-    ada = unsandboxed.root / "submitted" / "ada_correct" / NAME / f"{NAME}.ipynb"
-    assert digest(ada) != unsandboxed.before[str(ada)], "another student's submission was not overwritten"
+@contextlib.contextmanager
+def closed_to_others(paths) -> Iterator[None]:
+    """For the duration, users other than the owner and group may not enter or read `paths`."""
+    modes = {path: path.stat().st_mode for path in paths}
+    try:
+        for path, mode in modes.items():
+            path.chmod(mode & ~0o007)
+        yield
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+
+
+def test_without_a_sandbox_root_refuses_to_grade_where_the_user_could_read_the_masters(tmp_path, unprivileged_user):
+    """The unprivileged user must not reach the masters (nor the tests' answers): root says what to close first."""
+    tmp_path.chmod(0o700)
+    with closed_to_others(classroom.PRIVATE[1:]), pytest.raises(SystemExit, match="chmod o-rwx .*grading/source"):
+        classroom.grading_user(False, tmp_path)
+    with closed_to_others(classroom.PRIVATE):
+        assert classroom.grading_user(False, tmp_path) == unprivileged_user
+
+
+def test_the_attacks_are_real(tmp_path):
+    """The same notebooks, run in a plain kernel with the grader's rights, do what they try."""
+    from nbclient import NotebookClient
+
+    root = make_class(tmp_path, ["ada_correct", "eve_sources", "mallory_gradebook", "oscar_others"])
+    ada = root / "submitted" / "ada_correct" / NAME / f"{NAME}.ipynb"
+    before = digest(ada)
+    outputs = {}
+    try:
+        for student in ("eve_sources", "mallory_gradebook", "oscar_others"):
+            folder = root / "submitted" / student / NAME
+            nb = nbformat.read(folder / f"{NAME}.ipynb", 4)
+            NotebookClient(nb, timeout=120, allow_errors=True, resources={"metadata": {"path": str(folder)}}).execute()
+            outputs[student] = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+        assert "the tests now grade the master's shard_range" in outputs["eve_sources"], outputs["eve_sources"]
+        assert left_behind(), "the attacks left no process behind"
+        wait_until(lambda: digest(ada) != before, "another student's submission to be overwritten", interval=0.2)
+    finally:
+        kill_left_behind()
+
+
+def test_without_a_sandbox_root_grades_as_a_user_who_can_do_none_of_it(unsandboxed):
+    """As root without a sandbox, each notebook runs as the unprivileged user: it reads no master, leaves nothing
+    running, and touches no other file; the honest answer keeps its marks."""
+    assert unsandboxed.total("ada_correct") == 2.5, unsandboxed.scores["ada_correct"]
+    assert unsandboxed.total("eve_sources") == 0 and "0 master notebooks found" in unsandboxed.output("eve_sources")
+    assert not unsandboxed.left, unsandboxed.left
+    assert all(s.score == 0 for s in gradebook.scores(NAME, "mallory_gradebook", unsandboxed.root))
+    for path, before in unsandboxed.before.items():
+        assert digest(Path(path)) == before, f"{path} was changed"
+    assert all(run.sandbox == "user cs336-student" for run in unsandboxed.runs), unsandboxed.runs
 
 
 # -- limits ----------------------------------------------------------------------------------------------------
@@ -199,7 +260,8 @@ def test_the_wall_clock_limit_stops_the_cell_running_and_every_later_one(tmp_pat
     first = "import os; print(os.environ.get('CS336_TEST_TIMEOUT_S'), os.environ.get('GRADER_TOKEN'))"
     nb.cells = [nbformat.v4.new_code_cell(s) for s in (first, "while True:\n    pass", "print('x')")]
     (tmp_path / "work").mkdir()
-    ran, limit = runner.execute(nb, {}, tmp_path, gradebook.api().config, runner.Limits(wall_s=8), use_sandbox=True)
+    ran, limit = runner.execute_notebook(nb, {}, tmp_path, gradebook.api().config, runner.Limits(wall_s=8),
+                                         use_sandbox=True)
     assert limit == "the notebook used its wall-clock limit of 8 s, and it was stopped"
     assert ran.cells[0].outputs[0].text == "10 None\n"
     assert [o.evalue for o in ran.cells[1].outputs] == [limit]
@@ -230,13 +292,13 @@ def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
     root = make_class(tmp_path, ["ada_correct", "bo_blank", "flo_output"])
     script = textwrap.dedent(f"""
         import os, signal, sys; sys.path.insert(0, {str(ROOT)!r})
-        from grading import classroom, course
-        replay = classroom.Replay.preprocess
+        from grading import cli, verdict
+        executed = verdict.ExecutedNotebook.preprocess
         def ctrl_c_while_scoring(self, nb, resources):
             os.kill(os.getpid(), signal.SIGINT)
-            return replay(self, nb, resources)
-        classroom.Replay.preprocess = ctrl_c_while_scoring
-        course.main(["--course", {str(root)!r}, "autograde", "--jobs", "1"])
+            return executed(self, nb, resources)
+        verdict.ExecutedNotebook.preprocess = ctrl_c_while_scoring
+        cli.main(["--course", {str(root)!r}, "autograde", "--jobs", "1"])
     """)
     grader = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert grader.returncode == 1 and "run the same command again" in grader.stderr, grader.stdout + grader.stderr
@@ -267,3 +329,16 @@ def test_slurm_shards_run_as_separate_processes_then_merge_into_the_gradebook(tm
     for student in students:
         assert gradebook.scores(NAME, student, root) == one_at_a_time.scores[student]
     assert "stopped early" in (root / "report" / "reasons" / "flo_output.txt").read_text()
+
+
+@pytest.mark.skipif(not MEMORY_LIMITED, reason="no memory cgroup this process may create")
+def test_a_process_killed_for_memory_in_a_leaf_counts_as_the_limit_hit():
+    """The OOM killer's count lands in the victim's leaf (the kernel's); the limit is on the cgroup above it."""
+    limit = cgroup.MemoryLimit.create(64 << 20)
+    try:
+        join = f"import os; open({str(limit.procs)!r}, 'w').write(str(os.getpid()))"
+        grow = "\nx = bytearray(256 << 20)\nx[::4096] = b'x' * len(x[::4096])"
+        hog = subprocess.run([sys.executable, "-c", join + grow])
+        assert hog.returncode == -9 and limit.hit()
+    finally:
+        limit.close()

@@ -15,7 +15,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
-from conftest import pid_alive, wait_gone
+from common import PATIENCE_S, pid_alive, wait_gone, wait_until
 from cs336_parallel import procfs
 
 KERNEL = "python3"  # the kernel of this interpreter's environment
@@ -138,7 +138,7 @@ class Kernel:
     def __init__(self):
         self.km, self.kc = start_new_kernel(kernel_name=KERNEL, stderr=subprocess.DEVNULL)
 
-    def execute(self, code: str, timeout: float = 60) -> tuple[str, dict]:
+    def execute(self, code: str, timeout: float = PATIENCE_S) -> tuple[str, dict]:
         out = []
 
         def hook(msg):
@@ -147,6 +147,22 @@ class Kernel:
 
         reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
         return "".join(out), reply["content"]
+
+    def wait_for_output(self, *lines: str, timeout: float = PATIENCE_S) -> str:
+        """Read the output of the cell running now (started with `kc.execute`) until it has shown each of `lines`
+        (in any order); return what was read. Fails if the cell ends first, or after `timeout` seconds."""
+        seen = ""
+        deadline = time.monotonic() + timeout
+        while not all(line in seen.splitlines() for line in lines):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"waited {timeout:g} s for the cell to show {lines}; it showed {seen!r}")
+            with contextlib.suppress(queue.Empty):
+                msg = self.kc.get_iopub_msg(timeout=0.5)
+                if msg["msg_type"] == "stream":
+                    seen += msg["content"]["text"]
+                elif msg["msg_type"] == "error" or msg["content"].get("execution_state") == "idle":
+                    raise AssertionError(f"the cell ended before it showed {lines}: {msg['content']}, after {seen!r}")
+        return seen
 
     def start_cluster(self, n: int) -> list[int]:
         """Start `n` ranks; return their pids and the forkserver's."""
@@ -170,13 +186,14 @@ def kernel():
 
 def test_interrupt_stops_every_rank_and_the_kernel_stays_usable(kernel):
     pids = kernel.start_cluster(2)[:2]
-    kernel.kc.execute("%%ranks --timeout 600\nif rank == 0:\n    dist.barrier()\nwhile True:\n    pass")
-    time.sleep(1.0)
+    kernel.kc.execute("%%ranks --timeout 600\nprint('stuck', rank, flush=True)\nif rank == 0:\n    dist.barrier()\n"
+                      "while True:\n    pass")
+    kernel.wait_for_output("[rank 0] stuck 0", "[rank 1] stuck 1")  # the cell runs on the ranks: they are stuck
     kernel.km.interrupt_kernel()
-    reply = kernel.kc.get_shell_msg(timeout=10)
+    reply = kernel.kc.get_shell_msg(timeout=PATIENCE_S)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "RankInterrupt"
     assert "stopped ranks 0, 1 and restarted the cluster" in "".join(reply["content"]["traceback"])
-    assert wait_gone(pids, timeout=2) == []
+    assert wait_gone(pids) == []
     out, content = kernel.execute("%%ranks\nrank")
     assert content["status"] == "ok" and out.splitlines() == ["[rank 0] 0", "[rank 1] 1"]
 
@@ -185,18 +202,14 @@ def test_ranks_output_streams_into_the_cell_while_it_runs(kernel, tmp_path):
     """A learner watching a long cell sees its progress, not everything at the end."""
     flag = tmp_path / "go"
     kernel.start_cluster(2)
-    kernel.kc.execute(f"%%ranks --timeout 30\nimport os, time\nprint('waiting', rank, flush=True)\n"
+    kernel.kc.execute(f"%%ranks --timeout {2 * PATIENCE_S:g}\nimport os, time\nprint('waiting', rank, flush=True)\n"
                       f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\nprint('released', rank)")
-    seen = ""
-    deadline = time.monotonic() + 15
-    while "[rank 1] waiting 1" not in seen and time.monotonic() < deadline:
-        with contextlib.suppress(queue.Empty):
-            msg = kernel.kc.get_iopub_msg(timeout=0.5)
-            if msg["msg_type"] == "stream":
-                seen += msg["content"]["text"]
-    flag.touch()
-    reply = kernel.kc.get_shell_msg(timeout=30)
-    assert "[rank 0] waiting 0\n[rank 1] waiting 1" in seen and reply["content"]["status"] == "ok"
+    try:
+        kernel.wait_for_output("[rank 0] waiting 0", "[rank 1] waiting 1")  # fails if they come only at the end
+    finally:
+        flag.touch()
+    reply = kernel.kc.get_shell_msg(timeout=PATIENCE_S)
+    assert reply["content"]["status"] == "ok"
 
 
 def children(pid: int) -> dict[int, str]:
@@ -212,7 +225,8 @@ def children(pid: int) -> dict[int, str]:
 def test_loading_the_extension_starts_the_rank_server_that_later_forks_the_ranks(kernel):
     """The server imports torch while the kernel does, so `%cluster start` only forks."""
     kernel.execute("%load_ext cs336_parallel")
-    servers = [pid for pid, cmd in children(kernel.km.provisioner.process.pid).items() if "forkserver" in cmd]
+    servers = wait_until(lambda: [pid for pid, cmd in children(kernel.km.provisioner.process.pid).items()
+                                  if "forkserver" in cmd], "the rank server to start")  # maybe in the background
     assert len(servers) == 1
     assert kernel.start_cluster(2)[-1] == servers[0]
 
@@ -236,14 +250,14 @@ def test_a_test_cell_runs_its_checks_in_the_notebook_and_refuses_to_while_graded
     outputs = run_notebook([
         "%load_ext cs336_parallel",
         "def double(x):\n    return 2 * x",
-        "%%test_helpers\ndef doubled_on_ranks(double, x):\n    return double(x + dist.get_rank())",
-        "%%test double\nassert double(3) == 6, 'double(3) should be 6'\n"
-        "assert checks.run(2, doubled_on_ranks, double, 1) == [2, 4], 'on two ranks'\nprint('ok')",
+        "%%test double\nfrom cs336_parallel import probes\nassert double(3) == 6, 'double(3) should be 6'\n"
+        "got = checks.run(2, probes.outcome, double, per_rank=[(1,), (2,)])  # each rank its own argument\n"
+        "assert [r['returned'] for r in got] == [2, 4], 'on two ranks'\nprint('ok')",
         "def double(x):\n    return x + 2",
         "%%test double\nassert double(3) == 6, 'double(3) should be 6'",
         "import os\nos.environ['NBGRADER_EXECUTION'] = 'autograde'",
         "%%test double\nprint('never')",
     ])
-    assert text(outputs[3]) == "ok\n", outputs[3]
-    assert error(outputs[5])["text"].splitlines()[0] == "TestFailed: double(3) should be 6"
-    assert "tests run in the grader's own process" in error(outputs[7])["text"] and not text(outputs[7])
+    assert text(outputs[2]) == "ok\n", outputs[2]
+    assert error(outputs[4])["text"].splitlines()[0] == "TestFailed: double(3) should be 6"
+    assert "tests run in the grader's own process" in error(outputs[6])["text"] and not text(outputs[6])

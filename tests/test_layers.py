@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 
 PACKAGES = ("cs336_parallel", "grading")
 
@@ -98,3 +98,26 @@ def test_no_module_uses_a_private_name_of_another(module):
                 and node.attr.startswith("_") and not node.attr.startswith("__")):
             private.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
     assert not private, f"{module} uses private names of other modules: {private}"
+
+
+# The rank runtime: what starts and serves ranks. The grader has its own test ranks in another process
+# (grading/rank_box.py runs cs336_parallel.rank_host), so none of this is ever loaded in the grader's.
+RANK_RUNTIME = ("cs336_parallel.cluster", "cs336_parallel.processes", "cs336_parallel.worker",
+                "cs336_parallel.rank_server", "cs336_parallel.in_rank_server", "cs336_parallel.testranks",
+                "cs336_parallel.kernel_side", "cs336_parallel.rank_host", "cs336_parallel.magics")
+
+
+def test_the_graders_imports_never_reach_the_rank_runtime():
+    """Every module of grading/, and the notebooks' test code the grader runs, imported in a fresh process: none of
+    the rank runtime comes along."""
+    import subprocess
+    import sys
+
+    graders = [m for m in MODULES if m.startswith(("grading", "cs336_parallel.testing"))
+               and m not in ("grading.__main__", "grading.nbgrader_config")]
+    code = ("import importlib, sys\n"
+            f"for m in {graders!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({RANK_RUNTIME!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"the grader imports the rank runtime: {done.stdout.strip()}"

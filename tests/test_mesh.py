@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 
 MASTER = ROOT / "grading/source/07_4d_parallelism/07_4d_parallelism.ipynb"
 

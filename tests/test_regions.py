@@ -75,3 +75,27 @@ def test_all_to_all_delivers_rows_in_rank_order_and_returns_their_gradients(clus
         expected = torch.cat([torch.full((s + 1, 2), 100.0 * s + r) for s in range(4)])
         assert torch.equal(got["received"], expected), r
         assert torch.equal(got["grad"], torch.cat([torch.full((r + 1, 2), d + 1.0) for d in range(4)])), r
+
+
+def _ring_steps() -> dict:
+    """Rank r passes a tensor of r's to the next rank twice (recording the steps), and a loss weighs what arrives by
+    (r + 1): each rank gets rank r - 1's, then r - 2's, and its own tensor's gradient is the weight of the rank two
+    ahead; only the second step's output is used directly, but both steps are in its graph."""
+    from cs336_parallel.regions import recording_ring_steps, send_to_next_rank
+
+    r = dist.get_rank()
+    x = torch.full((3,), float(r), requires_grad=True)
+    with recording_ring_steps() as steps:
+        once = send_to_next_rank(x)
+        twice = send_to_next_rank(once)
+    (twice * (r + 1)).sum().backward()
+    return {"once": once.detach(), "twice": twice.detach(), "grad": x.grad, "steps": len(steps),
+            "recorded": [step is node for step, node in zip(steps, (once.grad_fn, twice.grad_fn), strict=True)]}
+
+
+def test_send_to_next_rank_passes_around_the_ring_and_its_gradient_back(cluster):
+    for r, got in enumerate(cluster.run(_ring_steps)):
+        assert torch.equal(got["once"], torch.full((3,), float((r - 1) % 4))), r
+        assert torch.equal(got["twice"], torch.full((3,), float((r - 2) % 4))), r
+        assert torch.equal(got["grad"], torch.full((3,), (r + 2) % 4 + 1.0)), r
+        assert got["steps"] == 2 and all(got["recorded"]), r

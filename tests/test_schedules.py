@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 from cs336_parallel.dualpipe import dualpipe_schedule
 from cs336_parallel.schedules import (
     Action,
@@ -462,3 +462,43 @@ def test_timed_stage_sees_backwards_through_autograd_grad_and_split_ones_add_up(
     assert simulated.costs["t_b"] == [pytest.approx(statistics.median([intervals[2].end - intervals[2].start,
                                                                        backward_1]))]
     assert measured.total_time > 0
+
+
+def test_zero_bubble_h1_idles_more_when_a_w_outlasts_the_gap_it_fills():
+    """ZB-H1's (p-1)(t_F + t_B - t_W) holds while t_W <= min(t_F, t_B); in general, with m >= p, a stage idles
+    (p-1)(t_F + t_B - min(t_W, t_F, t_B)) (notebook 05's spec, and its tests' `zero_bubble_idle`)."""
+    from cs336_parallel.testing.pipeline import zero_bubble_idle
+
+    for p, m in itertools.product([2, 3, 4, 5], [5, 8, 11]):
+        for costs in itertools.product([0, 1, 2, 3], repeat=3):
+            if sum(costs) and m >= p:
+                zb = simulate(zero_bubble_h1(p, m), *fr(*costs))
+                assert zb.total_time - m * sum(costs) == zero_bubble_idle(p, *costs)
+    assert zero_bubble_idle(4, 1, 3, 2) == 9  # the notebook's example: 3(p-1), not 2(p-1)
+
+
+def test_numpy_integers_are_integers_to_the_checker_and_the_simulator():
+    np = pytest.importorskip("numpy")
+    schedule = [[Action(kind, np.int64(i)) for kind in ("F", "BW") for i in range(3)] for _ in range(2)]
+    check_schedule(schedule, np.int64(3))
+    assert simulate(schedule).bubble_fraction == pytest.approx(1 / 4)
+    with pytest.raises(ValueError, match="micro-batch"):
+        check_schedule([[Action("F", True), Action("BW", True)]], 2)
+
+
+def test_the_partition_check_finds_a_faster_split_exactly_when_one_exists():
+    """`testing.pipeline`'s certificate (greedy packing below the answer's slowest stage) against brute force."""
+    import random
+
+    from cs336_parallel.testing.pipeline import _stages_below
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        p = rng.randint(1, n)
+        costs = [Fraction(rng.randint(0, 5)) for _ in range(n)]
+        splits = list(itertools.combinations(range(1, n), p - 1))
+        slowest = [max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n), strict=True)) for cuts in splits]
+        best = min(slowest)
+        for value in set(slowest):
+            assert (_stages_below(costs, value) > p) == (value == best)

@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
-from conftest import ROOT
+from common import ROOT
 from cs336_parallel import versions
 from cs336_parallel.magics import cpu_fallback_note
 from grading import gradebook
@@ -211,6 +211,7 @@ HOST = ("torch==2.13.0", "ipykernel==6.29.5")  # what a hosted Jupyter has befor
 
 
 @pytest.mark.slow
+@pytest.mark.network  # downloads the host's PyTorch and Jupyter, and the package's dependencies
 @pytest.mark.timeout(900)
 def test_a_notebook_runs_on_a_host_after_the_hosted_install_which_keeps_the_hosts_torch_and_jupyter(tmp_path,
                                                                                                     monkeypatch):

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from conftest import ROOT
+from common import ROOT
 from fixtures import cheats
 from fixtures.variants import Correct, Tamper, Wrong
 from grading import gradebook

@@ -9,7 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_parallel import Cluster, checks, viz
+from cs336_parallel import Cluster, checks, probes, viz
+
+COLUMNS = {"weight": 0, "bias": 0}  # a column split: both parameters cut along their first dimension
+WHOLE = {"weight": None, "bias": None}
 
 
 def shards_of(reference: nn.Linear, size: int, *, shift: int = 0) -> list[dict]:
@@ -31,10 +34,10 @@ def shards_of(reference: nn.Linear, size: int, *, shift: int = 0) -> list[dict]:
 def test_assert_shards_close_accepts_the_right_slices_and_names_a_wrong_one():
     torch.manual_seed(0)
     reference = nn.Linear(4, 6)
-    checks.assert_shards_close(shards_of(reference, 2), reference)
+    checks.assert_shards_close(shards_of(reference, 2), reference, COLUMNS)
     reference.zero_grad()
     with pytest.raises(AssertionError, match="rank 2: weight differs"):
-        checks.assert_shards_close(shards_of(reference, 2, shift=1), reference, ranks=[2, 3])
+        checks.assert_shards_close(shards_of(reference, 2, shift=1), reference, COLUMNS, ranks=[2, 3])
 
 
 def test_replicated_gradients_are_summed_over_the_group_when_asked():
@@ -49,31 +52,43 @@ def test_replicated_gradients_are_summed_over_the_group_when_asked():
         part.load_state_dict(reference.state_dict())
         part(half).sum().backward()
         shards.append({name: {"value": p.detach(), "grad": p.grad} for name, p in part.named_parameters()})
-    checks.assert_shards_close(shards, reference, sum_replicated_grads=True)
+    checks.assert_shards_close(shards, reference, WHOLE, sum_replicated_grads=True)
     with pytest.raises(AssertionError, match="weight.grad differs"):  # not summed: partial
-        checks.assert_shards_close(shards, reference)
+        checks.assert_shards_close(shards, reference, WHOLE)
 
 
 def test_parameter_names_and_shapes_must_match_the_reference():
     reference = nn.Sequential(nn.Linear(2, 4))
+    split = {"0.weight": 0, "0.bias": 0}
     renamed = nn.Sequential(nn.Identity(), nn.Linear(2, 4))
     with pytest.raises(AssertionError, match="rank 0: the parameters are named"):
         checks.assert_shards_close([{n: {"value": p.detach(), "grad": None} for n, p in renamed.named_parameters()}],
-                                   reference)
-    third = {n: {"value": p.detach()[:1], "grad": None} for n, p in reference.named_parameters()}
-    with pytest.raises(AssertionError, match=r"0.weight has shape \(1, 2\): not the whole"):
-        checks.assert_shards_close([third, third], reference)
+                                   reference, split)
+    quarter = {n: {"value": p.detach()[:1], "grad": None} for n, p in reference.named_parameters()}
+    with pytest.raises(AssertionError, match=r"0.weight has shape \(1, 2\): it should be slice 0 of 2"):
+        checks.assert_shards_close([quarter, quarter], reference, split)
+
+
+def test_a_whole_weight_is_not_taken_for_a_shard():
+    """The spec says which parameters are split: a rank that keeps the whole layer fails, even though a whole
+    parameter would do for a replicated one."""
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 6)
+    reference(torch.randn(3, 4)).sum().backward()
+    whole = {name: {"value": p.detach(), "grad": p.grad} for name, p in reference.named_parameters()}
+    with pytest.raises(AssertionError, match=r"weight has shape \(6, 4\): it should be slice 0 of 2"):
+        checks.assert_shards_close([whole, whole], reference, COLUMNS)
 
 
 def _counts() -> dict:
     x = torch.ones(4)
     out = torch.empty(4 * dist.get_world_size())
-    with checks.count_collectives() as comm:
+    with probes.count_collectives() as comm:
         dist.all_gather_single(out, x)
         dist.all_gather([torch.empty(4) for _ in range(dist.get_world_size())], x)
         dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * dist.get_world_size()))
         dist.all_reduce(x)
-    return checks.collective_counts(comm)
+    return checks.collective_counts(comm.record())
 
 
 def test_collective_counts_merge_the_forms_of_a_collective():

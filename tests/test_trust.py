@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import ROOT
+from common import ROOT
 from fixtures.cheats import CHEATS, HONEST, LEAKS, SCRIPT, Submission, notebook
 from grading import classroom, gradebook
 
@@ -24,10 +25,14 @@ ASSIGNMENTS = ("00_setup", "01_collectives")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+GRADER = {}  # what the grader's process was before and after grading the class
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> Path:
     """Every submission of tests/fixtures/cheats.py, and a blank one of each assignment, collected from an LMS-like
     download folder, autograded two at a time, with feedback."""
+    GRADER["before"] = {"session": os.getsid(0), "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     root, downloads = tmp_path_factory.mktemp("course"), tmp_path_factory.mktemp("downloads")
     for name in ASSIGNMENTS:
         shutil.copytree(gradebook.COURSE / "source" / name, root / "source" / name)
@@ -41,6 +46,7 @@ def graded(tmp_path_factory) -> Path:
         shutil.copy(root / "notebooks" / f"{name}.ipynb", downloads / "blank" / f"{name}.ipynb")
     gradebook.collect(downloads, root)
     classroom.autograde(None, root, jobs=2)
+    GRADER["after"] = {"session": os.getsid(0), "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     gradebook.feedback(None, root)
     return root
 
@@ -91,9 +97,29 @@ def test_no_feedback_shows_a_hidden_test_line_or_a_submissions_script(graded):
         assert not re.search(rf"<script[^>]*>[^<]*{SCRIPT}", html), page  # shown as text at most
 
 
+def test_no_reply_runs_code_in_the_grader_or_fills_its_memory(graded):
+    """A reply naming a module of the package would have made the grader import it (in_rank_server calls
+    os.setsid); twelve-odd replies of 96 MiB each are refused unread, within the notebook's output limit."""
+    assert GRADER["after"]["session"] == GRADER["before"]["session"]
+    grown_mb = (GRADER["after"]["peak_kb"] - GRADER["before"]["peak_kb"]) / 1024
+    assert grown_mb < 400, f"the grader's peak memory grew by {grown_mb:.0f} MB"
+    reasons = (graded / "report" / "reasons" / "oversized_replies.txt").read_text()
+    assert "output limit" in reasons, reasons
+
+
+def test_what_a_students_exception_says_reaches_the_report_as_plain_text(graded):
+    text = (graded / "report" / "reasons" / "escapes_in_reasons.txt").read_text()
+    markdown = (graded / "report" / "reasons.md").read_text()
+    for report in (text, markdown):
+        assert "\x1b" not in report and "\x07" not in report
+    assert "click [see](http://x) **now** | # heading" in text
+    assert "\\[see\\]\\(http://x\\) \\*\\*now\\*\\* \\| \\# heading" in markdown
+
+
 def test_code_that_reaches_into_the_kernel_is_listed_for_review_not_scored(graded):
     review = {row["student"]: row["review"] for row in csv.DictReader((graded / "report" / "scores.csv").open())}
     assert "_getframe" in review["expected_from_frame"] and "sys.modules" in review["settings_lookalike"], review
+    assert "cs336_parallel.testing" in review["own_test_code"] and "kernel_side" in review["no_results"], review
     assert not review["honest_kernel_habits"] and not review["honest_answer_style"], review
 
 
@@ -132,7 +158,7 @@ def test_nbgraders_own_autograde_refuses_to_run_tests_in_the_students_kernel(cop
 
 
 def test_the_courses_grader_grades_a_copy_with_every_defence(copied):
-    cheat = next(c for c in CHEATS if c.name == "own_helpers")
+    cheat = next(c for c in CHEATS if c.name == "own_test_code")
     (copied / "submitted" / cheat.name / "00_setup").mkdir(parents=True)
     student = nbformat.read(ROOT / "notebooks" / "00_setup.ipynb", 4)
     nbformat.write(notebook(cheat, student), copied / "submitted" / cheat.name / "00_setup" / "00_setup.ipynb")

@@ -1,8 +1,8 @@
 """How fast ranks start and answer: the cluster against torch.multiprocessing.spawn, in one run.
 
 Cold start is timed to the first all-reduce result in the parent, for spawn as for the cluster.
-Targets (2 CPU cores): a cluster started in a notebook at most 0.25x spawn's time; warm `run` under
-5 ms; warm `%%ranks` cell under 20 ms.
+Targets (2 CPU cores): a cluster started in a notebook, and a fresh kernel's first cell to the first per-rank
+output, each at most 0.25x spawn's time; warm `run` under 5 ms; warm `%%ranks` cell under 20 ms.
 """
 
 from __future__ import annotations
@@ -95,16 +95,20 @@ def main(args=None) -> None:
           "(medians of 3, fresh processes, torch imported):")
     spawn = statistics.median(_fresh_process_seconds(_COLD_SPAWN.format(n=WORLD_SIZE)) for _ in range(3))
     script = statistics.median(_fresh_process_seconds(_COLD_CLUSTER.format(n=WORLD_SIZE)) for _ in range(3))
-    notebook = []
+    first_cells, starts = [], []
     for _ in range(3):
         with _Kernel() as kernel:
-            kernel.seconds("%load_ext cs336_parallel\nimport torch")  # how every notebook begins
-            notebook.append(kernel.seconds(f"%cluster start -n {WORLD_SIZE}") + kernel.seconds(_FIRST_ALL_REDUCE))
-    notebook = statistics.median(notebook)
+            first_cells.append(kernel.seconds("%load_ext cs336_parallel\nimport torch"))  # how every notebook begins
+            starts.append(kernel.seconds(f"%cluster start -n {WORLD_SIZE}") + kernel.seconds(_FIRST_ALL_REDUCE))
+    first_cell, start = statistics.median(first_cells), statistics.median(starts)
+    waited = statistics.median(a + b for a, b in zip(first_cells, starts, strict=True))
     print(f"  torch.multiprocessing.spawn                     {spawn:6.2f} s")
     print(f"  Cluster in a script (its server imports torch)  {script:6.2f} s  {script / spawn:5.2f}x")
-    print(f"  %cluster start in a notebook, after %load_ext   {notebook:6.2f} s  {notebook / spawn:5.2f}x"
-          f"  (target <= 0.25x: {_verdict(notebook <= 0.25 * spawn)})")
+    print(f"  a notebook's first cell (%load_ext, torch)      {first_cell:6.2f} s")
+    print(f"  %cluster start in a notebook, after that cell   {start:6.2f} s  {start / spawn:5.2f}x"
+          f"  (target <= 0.25x: {_verdict(start <= 0.25 * spawn)})")
+    print(f"  both: a fresh kernel's first cell to the first per-rank output"
+          f"  {waited:6.2f} s  {waited / spawn:5.2f}x  (target <= 0.25x: {_verdict(waited <= 0.25 * spawn)})")
 
     with Cluster(WORLD_SIZE) as cluster:
         cluster.run(lambda: None)

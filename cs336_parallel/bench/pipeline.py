@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_parallel import session_cluster
 from cs336_parallel.costs import bubble_fraction
 from cs336_parallel.devices import device
 from cs336_parallel.models import MLPStack
@@ -170,6 +169,8 @@ def main(args=None) -> None:
     if cores < p:
         print(f"note: {cores} CPU cores for {p} ranks: ranks that compute at the same time share cores, which "
               f"stretches the steady state more than the warm-up; the comparison is only fair with >= {p} cores")
+    from cs336_parallel import session_cluster  # here: the tests' code imports TimedStage, not the rank runtime
+
     results = session_cluster(p, backend="gloo").run(measure_steps, run_pipeline, one_f_one_b, m, dim, batch,
                                                      layers, steps)
     schedule = one_f_one_b(p, m)

@@ -37,8 +37,8 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=None,
                         help="notebooks at once (default: 2 x the cores // the notebooks' largest world size)")
     parser.add_argument("--no-sandbox", action="store_true",
-                        help="run submissions WITHOUT isolation (only where no sandbox can run; they can read "
-                             "and write everything you can)")
+                        help="run submissions without a sandbox (only where none can run): as root, they run as "
+                             "the unprivileged user cs336-student; otherwise as you, reading and writing what you can")
     parser.add_argument("--time-limit", type=float, default=defaults.wall_s, help="seconds per notebook")
     parser.add_argument("--memory-limit", type=int, default=defaults.memory_mb, help="MB per notebook")
     parser.add_argument("--output-limit", type=float, default=defaults.output_mb, help="MB of output per notebook")

@@ -1,0 +1,166 @@
+"""The grader's own test ranks (grading/rank_box.py, cs336_parallel.rank_host): each rank gets its own share of a
+test's data and nothing else; who sent how much to whom is measured outside them; a reply is read within bounds;
+no rank reads another's memory; and the process that relays every rank's data runs none of the ranks' code.
+
+The "exercises" here are this module's functions, pickled by value as a notebook's are; the driver is the
+package's `probes.outcome`, which calls the exercise with the rank's own arguments."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from cs336_parallel import plain, probes, protocol
+from cs336_parallel.boundary import Exercise, rank_requests
+from grading import sandbox
+from grading.rank_box import BoxStopped, RankBox, ReplyTooLarge
+
+pytestmark = pytest.mark.timeout(300)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # travels as a notebook's functions do
+SANDBOX = sandbox.unavailable() is None
+
+
+def echo(mine):
+    return {"rank": dist.get_rank(), "mine": mine, "double": 2 * mine}
+
+
+def send_to_next(nbytes: int):
+    """Rank r sends `nbytes` to rank r+1, around the ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out, into = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+    ops = [dist.P2POp(dist.isend, out, (rank + 1) % n), dist.P2POp(dist.irecv, into, (rank - 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def reach_other_processes():
+    """The command lines of the other processes whose memory this rank can open."""
+    opened = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/mem", "rb"):
+                    opened.append(open(f"/proc/{entry}/cmdline").read().replace("\0", " "))
+            except OSError:
+                pass
+    return opened
+
+
+def large(nbytes: int):
+    return torch.zeros(nbytes // 4)
+
+
+@pytest.fixture(params=[pytest.param(True, marks=[pytest.mark.sandbox, pytest.mark.skipif(
+    not SANDBOX, reason="needs bubblewrap (make sandbox)")]), False], ids=["sandboxed", "plain"])
+def box(request, tmp_path):
+    rb = RankBox(tmp_path, use_sandbox=request.param)
+    yield rb
+    rb.close()
+
+
+def run(box: RankBox, exercise, per_rank: list[tuple], *, max_bytes: int = 10**7):
+    """`exercise(*per_rank[r])` on each rank r of a group of len(per_rank); (what each returned, the traffic)."""
+    requests = [plain.encode(r) for r in rank_requests(probes.outcome, (Exercise("f", None, "function"),), {},
+                                                       per_rank)]
+    reply, traffic, _ = box.run(len(per_rank), protocol.dumps({"f": exercise}), {}, requests, 30, max_bytes)
+    assert "ok" in reply, reply
+    return [plain.decode(r)["returned"] for r in reply["ok"]], traffic
+
+
+def test_each_rank_receives_its_own_share_only(box):
+    shares = [(torch.full((3,), float(r)),) for r in range(3)]
+    got, _ = run(box, echo, shares)
+    for rank, result in enumerate(got):
+        assert result["rank"] == rank and torch.equal(result["mine"], shares[rank][0])
+        assert torch.equal(result["double"], 2 * shares[rank][0])
+
+
+def test_traffic_is_measured_outside_pair_by_pair(box):
+    _, traffic = run(box, send_to_next, [(4000,)] * 4)
+    assert traffic is not None
+    for sender in range(4):
+        receiver = (sender + 1) % 4
+        assert 4000 <= traffic[sender][receiver] < 4400, traffic  # gloo adds a header to each message
+        others = [traffic[sender][s] for s in range(4) if s not in (sender, receiver)]
+        assert all(b < 200 for b in others), traffic  # acknowledgements only
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(not SANDBOX, reason="needs bubblewrap (make sandbox)")
+def test_no_rank_can_read_another_ranks_memory_or_the_relays(tmp_path):
+    """Not the other ranks, nor the rank host (which holds every rank's data for a moment), nor the server the
+    ranks are forked from; only the sandbox's init (bwrap) and multiprocessing's resource tracker are left, and they
+    hold nothing."""
+    box = RankBox(tmp_path, use_sandbox=True)
+    try:
+        got, _ = run(box, reach_other_processes, [()] * 2)
+    finally:
+        box.close()
+    for readable in got:
+        assert not [c for c in readable if not c.startswith(sandbox.bwrap()) and "resource_tracker" not in c], readable
+
+
+def test_a_reply_larger_than_what_is_left_is_refused_before_it_is_read(box):
+    with pytest.raises(ReplyTooLarge, match="passed what is left"):
+        run(box, large, [(8 * 2**20,)] * 2, max_bytes=2**20)
+    got, _ = run(box, echo, [(1,), (2,)])  # a new box serves the next request
+    assert [r["double"] for r in got] == [2, 4]
+
+
+def kill_the_relay():
+    import signal
+
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and "cs336_parallel.rank_host" in open(f"/proc/{entry}/cmdline").read():
+            os.kill(int(entry), signal.SIGKILL)
+
+
+def test_a_box_that_dies_during_a_request_is_named_and_replaced(box):
+    with pytest.raises(BoxStopped, match="stopped"):
+        run(box, kill_the_relay, [()] * 2)
+    got, _ = run(box, echo, [(1,), (2,)])
+    assert [r["double"] for r in got] == [2, 4]
+    box.process.kill()  # between requests: the next one starts a new box
+    box.process.wait()
+    got, _ = run(box, echo, [(1,), (2,)])
+    assert [r["double"] for r in got] == [2, 4]
+
+
+def test_the_relay_reads_what_ranks_send_without_running_it(monkeypatch):
+    class Payload:
+        def __reduce__(self):
+            return (exec, ("import sys; sys.exit('ran')",))
+
+    message = protocol.HEADER.pack(1) + pickle.dumps(("ok", Payload(), True))
+    monkeypatch.setattr(protocol, "only_plain", True)
+    with pytest.raises(pickle.UnpicklingError, match="does not read"):
+        protocol.loads(message)
+    failure = protocol.Failure("ValueError", "ValueError: no", [protocol.Frame("f.py", 1, "g")])
+    assert protocol.loads(protocol.encode(1, ("error", failure, True)))[1] == failure
+
+
+def test_two_notebooks_boxes_serve_at_once(tmp_path):
+    """Each notebook has its own box; two answer at the same time (a --jobs 2 class)."""
+    boxes = [RankBox(tmp_path / str(i), use_sandbox=False) for i in range(2)]
+    results = {}
+
+    def work(i):
+        results[i] = run(boxes[i], echo, [(i,), (i + 1,)])[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        for b in boxes:
+            b.close()
+    assert [r["double"] for r in results[0]] == [0, 2] and [r["double"] for r in results[1]] == [2, 4]
