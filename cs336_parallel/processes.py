@@ -118,8 +118,8 @@ class RankProcess:
             try:
                 while self.conn.poll():
                     self.conn.recv_bytes()
-            except (EOFError, OSError):
-                return "closed its connection to the kernel"
+            except (EOFError, OSError):  # a killed process closes its pipes a moment before it is seen to end
+                return f"{self.how_it_ended()} while idle, between calls"
         return None
 
 

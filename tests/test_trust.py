@@ -19,10 +19,10 @@ import pytest
 
 from common import ROOT
 from fixtures.cheats import CHEATS, HONEST, LEAKS, SCRIPT, Submission, notebook
-from grading import classroom, gradebook
+from grading import classroom, gradebook, runner
 
 ASSIGNMENTS = ("00_setup", "01_collectives")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a module fixture grades every trick: 6 min when quiet
 
 
 GRADER = {}  # what the grader's process was before and after grading the class
@@ -45,7 +45,7 @@ def graded(tmp_path_factory) -> Path:
         (downloads / "blank").mkdir(exist_ok=True)
         shutil.copy(root / "notebooks" / f"{name}.ipynb", downloads / "blank" / f"{name}.ipynb")
     gradebook.collect(downloads, root)
-    classroom.autograde(None, root, jobs=2)
+    classroom.autograde(None, root, jobs=2, limits=runner.Limits(wall_s=3000))  # slow under load is fine
     GRADER["after"] = {"session": os.getsid(0), "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     gradebook.feedback(None, root)
     return root
