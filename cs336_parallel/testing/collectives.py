@@ -19,10 +19,6 @@ def _inputs(world_size: int, shape: tuple, dtype: torch.dtype) -> list[torch.Ten
     return [checks.random_tensor(shape, dtype, generator=g) for _ in range(world_size)]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 # -- reduce-scatter ---------------------------------------------------------------------------------------------
 
 def reduce_scatter_driver(ring_reduce_scatter, inp: torch.Tensor) -> dict:
@@ -45,7 +41,7 @@ def check_reduce_scatter(ring_reduce_scatter, world_size: int, chunk_numel: int,
                             rank=rank, rtol=1e-5, atol=1e-6)
         checks.assert_equal(result["input"], inputs[rank], name="input (it must not change)", rank=rank)
     # Rank r's chunk sums the other ranks' chunk r: at least one chunk's bytes must reach it.
-    checks.assert_received(_nbytes(chunks[0]), f"reduce-scatter of {chunk_numel} {dtype} per chunk on "
+    checks.assert_received(chunks[0].nbytes, f"reduce-scatter of {chunk_numel} {dtype} per chunk on "
                                                 f"{world_size} ranks")
     return [result["comm"] for result in got]
 
@@ -74,7 +70,7 @@ def check_all_gather(ring_all_gather, world_size: int, numel: int, dtype: torch.
         checks.assert_point_to_point(result["comm"], "ring_all_gather", rank=rank)
         checks.assert_equal(result["output"], expected, name=f"output ({dtype}, {numel} per rank)", rank=rank)
     # Every rank must receive every other rank's input.
-    checks.assert_received((world_size - 1) * _nbytes(inputs[0]), f"all-gather of {numel} {dtype} per rank on "
+    checks.assert_received((world_size - 1) * inputs[0].nbytes, f"all-gather of {numel} {dtype} per rank on "
                                                                    f"{world_size} ranks")
     return [result["comm"] for result in got]
 
@@ -104,7 +100,7 @@ def check_all_reduce(ring_all_reduce, world_size: int, shape: tuple, dtype: torc
         # Float32 sums in another order: rtol 1e-5, atol 1e-6; integers exactly.
         checks.assert_close(result["x"], expected, name=what, rank=rank, rtol=1e-5, atol=1e-6)
     # Each rank learns the sum of the others' tensors: at least the tensor's bytes must reach it.
-    checks.assert_received(_nbytes(inputs[0]), f"{what} on {world_size} ranks")
+    checks.assert_received(inputs[0].nbytes, f"{what} on {world_size} ranks")
     return [result["comm"] for result in got]
 
 
@@ -151,7 +147,7 @@ def check_broadcast(tree_broadcast, world_size: int, src: int, numel: int, dtype
         checks.assert_point_to_point(result["comm"], "tree_broadcast", rank=rank)
         checks.assert_equal(result["x"], inputs[src], name=f"tensor after a broadcast from rank {src} ({dtype})",
                             rank=rank)
-    needed = [0 if rank == src else _nbytes(inputs[src]) for rank in range(world_size)]
+    needed = [0 if rank == src else inputs[src].nbytes for rank in range(world_size)]
     checks.assert_received(needed, f"broadcast of {numel} {dtype} from rank {src} on {world_size} ranks")
     return [[(op, peer) for op, _, peer in result["comm"]["calls"]] for result in got]
 

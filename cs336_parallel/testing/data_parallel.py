@@ -23,7 +23,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from cs336_parallel import checks, models, probes
-from cs336_parallel.testing.training import Batch, initial_states, rows_per_rank, train_on_rank
+from cs336_parallel.testing.training import (
+    Batch,
+    initial_states,
+    lm_loss,  # noqa: F401 - 02's test cells import it from here
+    rows_per_rank,
+    train_on_rank,
+)
 
 # -- the models, optimizers, losses and data of the tests -----------------------------------------------------
 
@@ -86,10 +92,6 @@ def adamw(params) -> torch.optim.Optimizer:
     with the default eps (1e-8) a gradient that the ranks' data nearly cancel, summed in another order, would move
     its parameter by far more than float32's rounding; eps = 1e-3 bounds that (rtol 1e-5 holds on any data)."""
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-3)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def regression_batches(rows: int, steps: int = 3) -> list[Batch]:

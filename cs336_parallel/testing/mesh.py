@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cs336_parallel import checks, memory, models, planning
+from cs336_parallel.testing.training import nbytes
 
 # -- rank_to_coords and coords_to_rank ----------------------------------------------------------------------------
 
@@ -82,10 +83,6 @@ def moe_gradients_driver(reduce_moe_gradients: Callable, dp: int, ep: int, dense
     return {"given": given, "lists": {"dense": dense, "experts": experts}}
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def check_moe_gradients(reduce_moe_gradients: Callable, dp: int, ep: int, dtype: torch.dtype) -> None:
     """Draw what every rank's loss contributes to each dense weight and each expert; send rank r (at dp coordinate
     d, ep coordinate e) its own dense gradients and, for its experts, the sums over its ep group (what the
@@ -117,7 +114,7 @@ def check_moe_gradients(reduce_moe_gradients: Callable, dp: int, ep: int, dtype:
             for i, want in enumerate(tensors):
                 _check_in_place(result, kind, i, want, rank, f"{kind} gradient {i} ({case})")
     # The dense mean needs the other ranks' dense gradients; an expert's, the other ep groups' sums (its dp group).
-    needed = _nbytes(mean_dense) * (world > 1) + _nbytes(per_rank[0][1]) * (dp > 1)
+    needed = nbytes(mean_dense) * (world > 1) + nbytes(per_rank[0][1]) * (dp > 1)
     checks.assert_received(needed, f"reduce_moe_gradients, {case}")
 
 

@@ -24,10 +24,6 @@ from cs336_parallel.testing.training import redraw
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # the ranks sum in another order than one process
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 # -- on a rank ----------------------------------------------------------------------------------------------------
 
 def rank_group(group_size: int | None) -> tuple:
@@ -172,9 +168,9 @@ def check_linear(layer_class, world_size: int, option: str, value: bool, shape: 
     # others' partial products (a row layer's output), the others' shares of the input's gradient.
     y_bytes = math.prod(shape[:-1]) * out_features * x.element_size()
     if column:
-        needed = _nbytes(x) + ((size - 1) * y_bytes // size if value else 0)
+        needed = x.nbytes + ((size - 1) * y_bytes // size if value else 0)
     else:
-        needed = y_bytes + (0 if value else (size - 1) * _nbytes(x) // size)
+        needed = y_bytes + (0 if value else (size - 1) * x.nbytes // size)
     assert_received(needed, case, group_size)
     if not compare:
         return got
@@ -318,7 +314,7 @@ def check_mlp(TensorParallelMLP, world_size: int, shape: tuple, *, hidden: int |
     assert_slices(got, MLP_SPLIT, {name: tuple(p.shape) for name, p in mlp.named_parameters()},
                   [size] * world_size, f"TensorParallelMLP, {case}")
     # The sum of the others' partial products (g, forward) and of their input gradients (f, backward).
-    assert_received(2 * _nbytes(x), f"TensorParallelMLP, {case}", group_size)
+    assert_received(2 * x.nbytes, f"TensorParallelMLP, {case}", group_size)
     if not compare:
         return got
     y, x_grad = reference_step(mlp, x, weights)
@@ -387,7 +383,7 @@ def check_block(SequenceParallelBlock, world_size: int, shape: tuple, heads: int
     case = (f"{'sequence' if sequence_parallel else 'tensor'} parallel, input {shape}, {heads} heads, causal={causal}, "
             f"{ranks_phrase(world_size, group_size)}")
     # The others' partial sums for this rank's tokens, in forward and in backward.
-    assert_received(2 * _nbytes(mine(x, 0)), f"SequenceParallelBlock, {case}", group_size)
+    assert_received(2 * mine(x, 0).nbytes, f"SequenceParallelBlock, {case}", group_size)
     if not compare:
         return got
     y, x_grad = reference_step(block, x, weights)
@@ -442,7 +438,7 @@ def check_norms(SequenceParallelBlock, world_size: int, shape: tuple, heads: int
                 f"once, on {where} {tuple(expected.shape)}; it was called on {shapes}")
         checks.assert_close(result["output"], expected, name=f"{mode} with {norm} norms: output", rank=rank,
                             **TOLERANCE)
-    checks.assert_received(_nbytes(per_rank[0][1]), f"SequenceParallelBlock forward, {mode}, {norm} norms")
+    checks.assert_received(per_rank[0][1].nbytes, f"SequenceParallelBlock forward, {mode}, {norm} norms")
 
 
 # -- activation_memory_bytes ----------------------------------------------------------------------------------------
@@ -522,7 +518,7 @@ def check_ring(ring_attention, world_size: int, shape: tuple, causal: bool, *, g
         for record in (result["forward"], result["backward"]):
             checks.assert_point_to_point(record, "ring_attention", rank=rank)
     case = f"causal={causal}, whole sequence {shape}, {ranks_phrase(world_size, group_size)}"
-    assert_received(2 * (size - 1) * _nbytes(per_rank[0][0]), f"ring_attention, {case}: the others' key and value "
+    assert_received(2 * (size - 1) * per_rank[0][0].nbytes, f"ring_attention, {case}: the others' key and value "
                     "blocks", group_size)
     if not compare:
         return got

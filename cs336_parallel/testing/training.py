@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -65,3 +66,13 @@ def train_on_rank(wrap: Callable, step: Callable, make_model: Callable[[], nn.Mo
 def state_bytes(state: dict) -> int:
     """Bytes of a state_dict's tensors (what a rank that averages gradients must at least receive per step)."""
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A language model's loss: cross-entropy over every token of (batch, tokens, vocab) logits."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def nbytes(tensors) -> int:
+    """The bytes of these tensors together."""
+    return sum(t.nbytes for t in tensors)

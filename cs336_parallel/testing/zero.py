@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_parallel import checks, memory, models, probes
-from cs336_parallel.testing.training import Batch, initial_states, redraw, rows_per_rank
+from cs336_parallel.testing.training import Batch, initial_states, lm_loss, nbytes, redraw, rows_per_rank
 from cs336_parallel.trace import collective_name
 
 MiB = 2**20
@@ -56,10 +56,6 @@ def draw_batches(g: torch.Generator, steps: int, rows: int, dim: int) -> list[Ba
     """`steps` regression batches of `rows` (inputs, targets) of `dim` features, drawn from `g`."""
     return [(checks.random_tensor((rows, dim), generator=g), checks.random_tensor((rows, dim), generator=g))
             for _ in range(steps)]
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def expected_owners(params: list, world_size: int) -> list[int]:
@@ -621,10 +617,6 @@ def make_lm(vocab: int, dim: int, depth: int) -> nn.Sequential:
 
 def lm(vocab: int, dim: int, depth: int) -> Callable[[], nn.Module]:
     return functools.partial(make_lm, vocab, dim, depth)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def token_batches(g: torch.Generator, steps: int, rows: int, vocab: int, tokens: int = 5) -> list[Batch]:
