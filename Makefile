@@ -68,13 +68,19 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
 .PHONY: test test-fast test-latest lock chromium sandbox notebooks lint
 
+# Two pytest-xdist workers, each running whole modules (a module's fixtures are built once), the longest first
+# (tests/conftest.py): much of the suite waits on kernels, sandboxes and ranks, and the other worker fills those
+# waits. WORKERS=0: one process.
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: $(TEST_READY) chromium sandbox
-	$(BIN)/python -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # A developer's loop: everything but the tests marked slow (whole notebooks autograded, the hosted install,
-# sandboxes, the browser), about 2.5 minutes on 2 cores. `make test` (and CI) runs everything.
+# sandboxes, the browser), about 3.5 minutes on 2 cores. `make test` (and CI) runs everything.
 test-fast: $(TEST_READY)
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 # Installs Debian package $(2) unless one of the commands $(1) exists; where that is not possible, says $(3).
 apt_install = for c in $(1); do command -v $$c >/dev/null && exit 0; done; \

@@ -15,6 +15,7 @@ scores 0 with that reason, and the cells before keep their points.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -252,10 +253,17 @@ def execute_notebook(nb: NotebookNode, resources: dict, box: Path, config: Confi
     notebook) in this process: the executed notebook, and the limit that stopped it early ("" if none did). Without
     a sandbox, the kernel and the test ranks run as `user` (if given), and every process of that user is ended
     afterwards. Raises RuntimeError if the kernel does not start."""
+    user = None if use_sandbox else user
+    interrupt = interrupt or threading.Event()
+    with sandbox.only_grader_as(user, interrupt) if user else contextlib.nullcontext():
+        return _execute(nb, resources, box, config, limits, master, use_sandbox, interrupt, user)
+
+
+def _execute(nb: NotebookNode, resources: dict, box: Path, config: Config, limits: Limits, master: Path | None,
+             use_sandbox: bool, interrupt: threading.Event, user: str | None) -> tuple[NotebookNode, str]:
     memory = MemoryLimit.create(limits.memory_mb << 20) if limits.memory_mb else None
     executor = LimitedExecute(config=config, box=box, limits=limits, use_sandbox=use_sandbox, memory=memory,
-                              interrupt=interrupt or threading.Event(), master=master,
-                              user=None if use_sandbox else user)
+                              interrupt=interrupt, master=master, user=user)
     with _running_lock:
         _running.add(executor)
     try:

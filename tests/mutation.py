@@ -6,7 +6,8 @@ it: the answer cell, copies of the exercise's test cells (hidden parts included:
 source is one of the master's test cells in its own process, as it runs the originals), and for a correct
 answer, the demonstration cells that use the exercise, run again. A copy passes when it shows no error and
 nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that puts back what it
-changed in the kernel (`SNAPSHOT`, `RESTORE`), so that the blocks after it run in a clean kernel.
+changed in the kernel (`SNAPSHOT`, `RESTORE`), and every block with the master's answer to its exercise, so
+that each block meets the master's answers to the other exercises, whichever blocks ran before it.
 
 Tricks on the kernel's own machinery (input transformers, custom exception handlers, magics) may leave the
 kernel unable to put anything back: they run in a notebook of their own (`build(..., machinery=True)`).
@@ -231,10 +232,16 @@ def blocks(nb, variants: dict[str, list]) -> list[Block]:
     return ordinary + tampering
 
 
-def build(master, all_blocks: list[Block], *, machinery: bool = False):
+def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int = 0, parts: int = 1):
     """The master notebook with blocks appended (those on the kernel's machinery, or all the others); harness
-    cells are marked in their metadata. Block numbers are indices into `all_blocks`."""
+    cells are marked in their metadata. Block numbers are indices into `all_blocks`.
+
+    `parts` > 1 deals the blocks out to that many notebooks, graded side by side: this one gets blocks `part`,
+    `part + parts`, ... (so each exercise's fixtures are spread over all of them), and only part 0 keeps the
+    master's own test cells."""
     nb = nbformat.from_dict(master)
+    if part:
+        nb.cells = [c for c in nb.cells if not _meta(c).get("grade")]
     found = exercises(master)
     graded = {_meta(c)["grade_id"]: c.source for c in master.cells if _meta(c).get("grade")}
 
@@ -245,7 +252,7 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False):
 
     nb.cells.append(cell(SNAPSHOT, role="snapshot"))
     for i, b in enumerate(all_blocks):
-        if (b.layer == "machinery") != machinery:
+        if (b.layer == "machinery") != machinery or i % parts != part:
             continue
         ex = found[b.exercise]
         if b.kind == "tamper":  # a trick earns only what its own answer does: nothing of an earlier block's
@@ -257,6 +264,7 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False):
             nb.cells += [cell(source, block=i, role="demo") for source in ex.demos]
         if b.cleanup:
             nb.cells.append(cell(b.cleanup, block=i, role="cleanup"))
+        nb.cells.append(cell(ex.answer, block=i, role="restore"))  # the next block meets the master's answers only
     return nb
 
 
@@ -297,9 +305,10 @@ class Outcome:
                    for c, r in self.failed.items() if c in touched and b.caught_by not in r])
 
 
-def outcomes(graded_nb, all_blocks: list[Block]) -> list[Outcome]:
+def outcomes(graded_nbs: list, all_blocks: list[Block]) -> list[Outcome]:
+    """What became of each block, read from the autograded notebooks that hold the blocks between them."""
     results = [Outcome(b, {}, [], []) for b in all_blocks]
-    for c in graded_nb.cells:
+    for c in (c for nb in graded_nbs for c in nb.cells):
         mark = c.metadata.get("mutation")
         if not mark or "block" not in mark:
             continue

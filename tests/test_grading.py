@@ -28,6 +28,9 @@ ASSIGNMENTS = gradebook.assignments()
 # A module fixture autogrades a whole notebook and its fixtures: up to about 5 minutes on 2 quiet cores, three
 # times that under a load of two other busy processes; a fixture that deadlocks fails on its own within seconds.
 pytestmark = pytest.mark.timeout(3600)
+# A notebook's kernel, its ranks and the grader's test ranks often wait on one another: its fixtures are dealt out
+# to PARTS notebooks, JOBS graded at once (03 on 2 quiet cores: 300 s in one notebook, 227 s in three).
+PARTS, JOBS = 3, 3
 DEADLOCK_TIMEOUT_S = "10"  # a fixture that deadlocks fails its test after this long (checks.hang_timeout_s())
 
 
@@ -160,28 +163,27 @@ class MutationRun:
 
 
 def grade_mutations(name: str, root: Path) -> MutationRun:
-    """A notebook's master and every fixture, the tricks on the kernel's machinery in a notebook of their own, and
-    the blank student version, autograded together (two at a time, as a class is graded)."""
+    """A notebook's master and every fixture, dealt out to PARTS notebooks graded side by side (the first also
+    grades the master's own tests), the tricks on the kernel's machinery in a notebook of their own, and the blank
+    student version, autograded together as a class is graded."""
     copy_course(root, name)
     master = nbformat.read(root / "source" / name / f"{name}.ipynb", 4)
     blocks = mutation.blocks(master, variants(name))
-    for student, machinery in (("mutations", False), ("machinery", True)):
-        if machinery and not any(b.layer == "machinery" for b in blocks):
-            continue
-        target = root / "submitted" / student / name
-        target.mkdir(parents=True)
-        nbformat.write(mutation.build(master, blocks, machinery=machinery), target / f"{name}.ipynb")
+    notebooks = {"mutations" if part == 0 else f"mutations-{part}": mutation.build(master, blocks, part=part,
+                                                                                   parts=PARTS)
+                 for part in range(PARTS)}
+    if any(b.layer == "machinery" for b in blocks):
+        notebooks["machinery"] = mutation.build(master, blocks, machinery=True)
+    for student, nb in notebooks.items():
+        (root / "submitted" / student / name).mkdir(parents=True)
+        nbformat.write(nb, root / "submitted" / student / name / f"{name}.ipynb")
     (root / "submitted" / "blank" / name).mkdir(parents=True)
     shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", root / "submitted" / "blank" / name)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CS336_TEST_TIMEOUT_S", DEADLOCK_TIMEOUT_S)
         # One notebook holds a whole class's worth of answers and their demonstrations: more output than one.
-        classroom.autograde([name], root, jobs=2, limits=Limits(wall_s=3000, output_mb=100))  # slow under load is fine
-    outcomes = mutation.outcomes(autograded(root, name, "mutations"), blocks)
-    if (root / "submitted" / "machinery" / name).exists():
-        machinery = mutation.outcomes(autograded(root, name, "machinery"), blocks)
-        outcomes = [a if a.failed or a.passed or a.demo_errors else b for a, b in zip(outcomes, machinery,
-                                                                                       strict=True)]
+        classroom.autograde([name], root, jobs=JOBS, limits=Limits(wall_s=3000, output_mb=100))  # slow is fine
+    outcomes = mutation.outcomes([autograded(root, name, student) for student in notebooks], blocks)
     return MutationRun(name, gradebook.scores(name, "mutations", root), gradebook.scores(name, "blank", root),
                        autograded(root, name, "mutations"), outcomes)
 
