@@ -118,13 +118,14 @@ def kill_the_relay():
     """On a rank: kill the rank host above it (its own only: not a box started after it, nor another test's)."""
     import signal
 
+    from cs336_parallel import procfs
+
     pid = os.getppid()
     while pid > 1:
         if "cs336_parallel.rank_host" in open(f"/proc/{pid}/cmdline").read():
             os.kill(pid, signal.SIGKILL)
             return
-        stat = open(f"/proc/{pid}/stat").read()
-        pid = int(stat[stat.rfind(")") + 2:].split()[1])
+        pid = int(procfs.stat_fields(pid)[1])
 
 
 def test_a_box_that_dies_during_a_request_is_named_and_replaced(box):
