@@ -530,15 +530,21 @@ def assert_parameters(got: dict, reference, what: str, rank: int) -> None:
         checks.assert_close(grad, expected[name].grad, name=f"{what}.{name}.grad", rank=rank, **TOLERANCE)
 
 
+def _kept_per_rank(moe: models.MoE, xs: list[torch.Tensor], capacity_factor) -> list[list[tuple[int, int]]]:
+    """Each rank's kept (expert, assignment) pairs under the reference router and its capacity."""
+    flat = [x.reshape(-1, x.shape[-1]) for x in xs]
+    capacities = [models.expert_capacity(len(x), moe.num_experts, moe.k, capacity_factor) for x in flat]
+    with torch.no_grad():
+        return [kept_assignments(moe.route(x).indices, moe.num_experts, c) for x, c in zip(flat, capacities,
+                                                                                           strict=True)]
+
+
 def _steps_per_rank(moe: models.MoE, xs: list[torch.Tensor], capacity_factor) -> list[tuple]:
     """Each rank's plan for the test's steps: (order, send_counts, recv_counts, rows it sends to each rank, rows it
     receives from each rank), from every rank's routing (what the count exchange tells a real rank)."""
     n, num_experts = len(xs), moe.num_experts
     per = num_experts // n
-    flat = [x.reshape(-1, x.shape[-1]) for x in xs]
-    capacities = [models.expert_capacity(len(x), num_experts, moe.k, capacity_factor) for x in flat]
-    with torch.no_grad():
-        kept = [kept_assignments(moe.route(x).indices, num_experts, c) for x, c in zip(flat, capacities, strict=True)]
+    kept = _kept_per_rank(moe, xs, capacity_factor)
     rows = rows_between(kept, num_experts)
     steps = []
     for rank in range(n):
@@ -554,14 +560,21 @@ def check_expert_parallel(ExpertParallelMoE, sizes: list, dim: int, num_experts:
     """Rank r runs its tokens through the expert-parallel layer, handed its own experts' weights only; ground truth:
     the reference MoE on the same tokens (rank r's alone for the output and the gradients of the input, the router
     and the shared experts; every rank's for the experts' gradients). `batch` > 1 gives each rank a (batch, T, D)
-    input. Returns how many choices the ranks dropped."""
+    input. Unsteered, the draw is repeated until every expert keeps a row: an idle expert is the concern of the
+    cases that steer the router only. Returns how many choices the ranks dropped."""
     n, per = len(sizes), num_experts // len(sizes)
     g = checks.generator()
-    moe = make_moe(dim, num_experts, k, capacity_factor, steer, num_shared, g)
-    xs = [checks.random_tensor((size, dim), generator=g) for size in sizes]
-    if signs:  # feature 0 positive or negative per rank, to steer each rank's tokens
-        for s, x in enumerate(xs):
-            x[:, 0] = signs[s] * (1 + x[:, 0].abs())
+    for _ in range(100):
+        moe = make_moe(dim, num_experts, k, capacity_factor, steer, num_shared, g)
+        xs = [checks.random_tensor((size, dim), generator=g) for size in sizes]
+        if signs:  # feature 0 positive or negative per rank, to steer each rank's tokens
+            for s, x in enumerate(xs):
+                x[:, 0] = signs[s] * (1 + x[:, 0].abs())
+        busy = {e for kept in _kept_per_rank(moe, xs, capacity_factor) for e, _ in kept}
+        if steer or len(busy) == num_experts:
+            break
+    else:
+        raise RuntimeError(f"no draw of {sizes} tokens kept every one of {num_experts} experts busy")
     gs = [checks.random_tensor((size, dim), generator=g) for size in sizes]
     if batch > 1:
         xs, gs = ([t.view(batch, -1, dim) for t in ts] for ts in (xs, gs))
