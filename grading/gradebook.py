@@ -8,17 +8,21 @@ the folder: a course copied elsewhere grades with every defence, or not at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
+import nbgrader.api
+from alembic.config import Config as AlembicConfig
+from alembic.script import ScriptDirectory
+from nbgrader import dbutil
 from nbgrader.api import Gradebook
 from nbgrader.apps import NbGraderAPI
 from nbgrader.plugins import CsvExportPlugin
@@ -33,12 +37,13 @@ CONFIG = "nbgrader_config.py"
 
 
 
-def _find_environment_tools() -> None:
-    """nbgrader runs tools of its environment (alembic) by name when it makes a gradebook: put the environment's
-    own first on PATH, even in a venv that is not activated."""
-    tools = str(Path(sys.executable).parent)
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != tools:
-        os.environ["PATH"] = os.pathsep.join([tools, os.environ.get("PATH", "")])
+@functools.cache
+def _schema_version() -> str:
+    """The gradebook schema's version (the head of nbgrader's alembic scripts), read in this process: nbgrader's own
+    `get_alembic_version` starts `alembic heads`, found on PATH, for every new gradebook (3 s each)."""
+    config = AlembicConfig()
+    config.set_main_option("script_location", dbutil.ALEMBIC_DIR)
+    return ScriptDirectory.from_config(config).get_current_head()
 
 
 class ConfigurationError(SystemExit):
@@ -68,7 +73,7 @@ def config() -> Config:
 
 def api(root: Path = COURSE, extra: Config | None = None) -> NbGraderAPI:
     """nbgrader's API on the course folder `root`, configured by nbgrader_config.py (and `extra`)."""
-    _find_environment_tools()
+    nbgrader.api.get_alembic_version = _schema_version
     warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy notices from nbgrader's own queries
     loaded = config()
     loaded.merge(Config({"CourseDirectory": {"root": str(root)}, "NbGraderAPI": {"log_level": "ERROR"}}))

@@ -7,7 +7,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -324,3 +326,22 @@ def test_autograde_writes_the_picture_the_reasons_and_canvass_columns(course, tm
                                str(root / "grades.csv")], cwd=ROOT, capture_output=True, text=True)
     assert exported.returncode == 0, exported.stderr
     assert (root / "grades.csv").read_text() == (folder / "canvas.csv").read_text()
+
+
+def test_a_new_gradebook_gets_nbgraders_schema_version_without_starting_alembic(tmp_path, monkeypatch):
+    """nbgrader would start `alembic heads` for each new gradebook (3 s); the course reads the version itself.
+    Ground truth: the one revision of nbgrader's migration scripts that no other one revises."""
+    from nbgrader import dbutil
+    from nbgrader.api import Gradebook
+
+    scripts = [p.read_text() for p in Path(dbutil.ALEMBIC_DIR, "versions").glob("*.py")]
+    revisions = {re.search(r"^revision = ['\"](\w+)", s, re.M)[1] for s in scripts}
+    revised = {m[1] for s in scripts if (m := re.search(r"^down_revision = ['\"](\w+)", s, re.M))}
+    started = []
+    monkeypatch.setattr(subprocess, "check_output", lambda *args, **kwargs: started.append(args))
+    gradebook.api(tmp_path)
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}"):
+        pass
+    with sqlite3.connect(tmp_path / "gradebook.db") as db:
+        assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [((revisions - revised).pop(),)]
+    assert not started

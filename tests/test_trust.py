@@ -127,10 +127,12 @@ def test_code_that_reaches_into_the_kernel_is_listed_for_review_not_scored(grade
 
 def nbgrader(args: list[str], cwd: Path, repository_importable: bool) -> subprocess.CompletedProcess:
     """nbgrader's own command line in a course folder, as an instructor might run it there."""
+    tools = Path(sys.executable).parent  # the environment activated: nbgrader starts its alembic by name
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
     if repository_importable:
         env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([str(Path(sys.executable).parent / "nbgrader"), *args], cwd=cwd, env=env,
+    return subprocess.run([str(tools / "nbgrader"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
