@@ -127,7 +127,7 @@ $(READY): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { echo $(NO_VENV); exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[course]'
-	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python 3 ($(KERNEL))" >/dev/null
+	$(BIN)/python -m cs336_parallel.kernel --install $(KERNEL) "Python 3 ($(KERNEL))"
 	$(BIN)/jupyter server extension disable --sys-prefix $(NBGRADER_SERVER_OFF:%=nbgrader.server_extensions.%) >/dev/null 2>&1
 	$(BIN)/jupyter labextension disable --level=sys_prefix $(NBGRADER_LAB_OFF:%=@jupyter/nbgrader:%) >/dev/null 2>&1
 	mkdir -p $(VENV)/share/jupyter/lab/settings  # no "get Jupyter news?" prompt on a learner's first start

@@ -44,6 +44,17 @@ def warm_up() -> None:
     forkserver.ensure_running()
 
 
+def _started() -> None:
+    """Runs in a process the server forked: that it started shows the server has imported what it preloads."""
+
+
+def await_ready() -> None:
+    """Start the server if it is not running, and wait until its imports are done (one empty process forked)."""
+    process = context().Process(target=_started, daemon=True)
+    process.start()
+    process.join()
+
+
 def await_exit(timeout: float = 10.0) -> None:
     """Wait until the server this process started has exited (a zombie, not reaped: multiprocessing reaps it and
     starts a new one at the next fork)."""

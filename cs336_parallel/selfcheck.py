@@ -24,6 +24,9 @@ from .text import printable
 
 KERNEL = "cs336-parallel"  # registered by `make lab`
 CELL_TIMEOUT_S = 300  # a cell's backstop, here and in the grader (grading/nbgrader_config.py)
+# The course's kernel answers once it has imported torch and started the rank server (cs336_parallel.kernel):
+# seconds on a quiet machine, much longer on a busy one. A kernel that dies is noticed at once.
+KERNEL_START_TIMEOUT_S = 300
 QUIET_KERNEL = ["--HistoryManager.hist_file=:memory:", "--IPKernelApp.log_level=ERROR"]  # no start-up notices
 HIDDEN_NOTE = ("Hidden tests run when you submit your work: they try more cases (other world sizes, uneven sizes, "
                "dtypes, bad arguments), so the grade can be lower than this.")
@@ -110,6 +113,7 @@ def check(notebook: Path) -> list[Score]:
     if not graded_cells(nb):
         raise SystemExit(f"{notebook} has no test cells: is it one of the course's notebooks?")
     client = NotebookClient(nb, kernel_name=kernel_name(nb), timeout=CELL_TIMEOUT_S, allow_errors=True,
+                            startup_timeout=KERNEL_START_TIMEOUT_S,
                             interrupt_on_timeout=True, extra_arguments=QUIET_KERNEL,
                             resources={"metadata": {"path": str(notebook.resolve().parent)}})
     try:

@@ -35,6 +35,7 @@ except ImportError as e:  # SystemExit, not an exception: nbgrader would log an 
 # (30 s); this limit per cell is the backstop for anything else. The kernel and its quiet start as the learner's
 # self-check has them.
 c.Execute.timeout = selfcheck.CELL_TIMEOUT_S
+c.Execute.startup_timeout = selfcheck.KERNEL_START_TIMEOUT_S
 c.Execute.kernel_name = selfcheck.KERNEL  # registered by `make lab` / `make test`
 c.Execute.extra_arguments = selfcheck.QUIET_KERNEL  # nbgrader's default argument; no start-up notices
 

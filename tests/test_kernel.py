@@ -16,7 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
 from common import PATIENCE_S, pid_alive, wait_gone, wait_until
-from cs336_parallel import procfs
+from cs336_parallel import procfs, selfcheck
 
 KERNEL = "python3"  # the kernel of this interpreter's environment
 
@@ -261,3 +261,24 @@ def test_a_test_cell_runs_its_checks_in_the_notebook_and_refuses_to_while_graded
     assert text(outputs[2]) == "ok\n", outputs[2]
     assert error(outputs[4])["text"].splitlines()[0] == "TestFailed: double(3) should be 6"
     assert "tests run in the grader's own process" in error(outputs[6])["text"] and not text(outputs[6])
+
+
+def test_the_courses_kernel_answers_with_torch_imported_and_the_rank_server_ready(tmp_path):
+    """What a learner's first cell would wait for is done before the kernel answers; a file in the notebook's
+    folder named like a module the kernel imports before its own start (ipykernel.py) shadows nothing."""
+    (tmp_path / "ipykernel.py").write_text("raise SystemExit('the folder shadowed ipykernel')")
+    out = []
+    km, kc = start_new_kernel(kernel_name=selfcheck.KERNEL, cwd=str(tmp_path), stderr=subprocess.DEVNULL,
+                              startup_timeout=selfcheck.KERNEL_START_TIMEOUT_S)
+    try:
+        reply = kc.execute_interactive(
+            "import sys\nfrom multiprocessing import forkserver\nfrom cs336_parallel import procfs\n"
+            "server = forkserver._forkserver._forkserver_pid\n"
+            "print('torch' in sys.modules, sys.modules['torch'].__file__.endswith('torch/__init__.py'), "
+            "procfs.state(server) not in (None, 'Z'))", timeout=PATIENCE_S,
+            output_hook=lambda msg: out.append(msg["content"].get("text", "")) if msg["msg_type"] == "stream" else None)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "".join(out) == "True True True\n"
