@@ -43,8 +43,16 @@ def pytest_runtest_setup(item):
 LONGEST_FIRST = ("test_grading.py", "test_trust.py")
 
 
+# A slow test grades whole notebooks: minutes on quiet cores, several times that beside other work. Its timeout
+# only catches a hang (pyproject's 300 s is for the rest); a module may still set its own.
+SLOW_TIMEOUT_S = 1800
+
+
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST or LONGEST_FIRST.index(item.path.name) - 2)
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 def pytest_terminal_summary(terminalreporter):

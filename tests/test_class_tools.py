@@ -161,7 +161,7 @@ def test_grading_in_the_edition_runs_the_visible_tests_and_says_the_hidden_ones_
     nbformat.write(submission("wrong"), path)
     before = path.read_bytes()
     done = subprocess.run([sys.executable, "-m", "cs336_parallel.selfcheck", str(path)], cwd=student_edition,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert lines[1:4] == ["  ok  shard_range                 1 / 1",
@@ -217,7 +217,7 @@ def run_autograder(autograder: Path, upload: dict[str, nbformat.NotebookNode], p
             nbformat.write(nb, root / "submission" / name)
         env = {**os.environ, "CS336_AUTOGRADER_PYTHON": sys.executable, **({"PATH": path} if path else {})}
         done = subprocess.run([str(root / "run_autograder"), str(root)], env=env, capture_output=True, text=True,
-                              timeout=600)
+                              timeout=1200)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         time.sleep(LEFT_BEHIND_S)  # what a process left behind would write, it has written by now
         return json.loads((root / "results" / "results.json").read_text())

@@ -34,7 +34,7 @@ LIMITS = runner.Limits(wall_s=180, memory_mb=2048, output_mb=5)
 MEMORY_LIMITED = cgroup.unavailable() is None
 CLASS = [s for s in attacks.STUDENTS if s != "meg_memory" or MEMORY_LIMITED]
 # `sandbox`: skipped, saying why, where no sandbox runs (tests/conftest.py)
-pytestmark = [pytest.mark.slow, pytest.mark.sandbox, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
 
 def digest(path: Path) -> str:
@@ -300,7 +300,7 @@ def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
         verdict.ExecutedNotebook.preprocess = ctrl_c_while_scoring
         cli.main(["--course", {str(root)!r}, "autograde", "--jobs", "1"])
     """)
-    grader = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    grader = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert grader.returncode == 1 and "run the same command again" in grader.stderr, grader.stdout + grader.stderr
     results = root / "executed" / NAME
     finished = [p.parent.name for p in results.glob("*/run.json")]
@@ -321,7 +321,7 @@ def test_slurm_shards_run_as_separate_processes_then_merge_into_the_gradebook(tm
     shards = [subprocess.Popen(["bash", "grading/slurm/autograde.sbatch", NAME, "--jobs", "1", "--memory-limit",
                                 str(LIMITS.memory_mb)], cwd=ROOT, env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [shard.communicate(timeout=300)[0] for shard in shards]
+    logs = [shard.communicate(timeout=1200)[0] for shard in shards]
     assert all(shard.returncode == 0 for shard in shards), logs
     assert not (root / "gradebook.db").read_bytes() == b"" and not (root / "autograded").exists()  # shards only ran
     merged = subprocess.run([*cli, "merge", NAME], cwd=ROOT, capture_output=True, text=True)
