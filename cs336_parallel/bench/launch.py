@@ -115,8 +115,8 @@ def main(args=None) -> None:
     waited = statistics.median(a + b for a, b in zip(first_cells, starts, strict=True))
     print(f"  torch.multiprocessing.spawn                     {spawn:6.2f} s")
     print(f"  Cluster in a script (its server imports torch)  {script:6.2f} s  {script / spawn:5.2f}x")
-    print(f"  the kernel {kernel.name!r}, started to its answer   {statistics.median(readies):6.2f} s  (while the "
-          "learner reads; not counted below)")
+    print(f"  {'the kernel ' + kernel.name + ', started to ready':47} {statistics.median(readies):6.2f} s  (while "
+          "the learner reads; not counted below)")
     print(f"  a notebook's first cell (%load_ext, torch)      {first_cell:6.2f} s")
     print(f"  %cluster start in a notebook, after that cell   {start:6.2f} s  {start / spawn:5.2f}x"
           f"  (target <= 0.25x: {_verdict(start <= 0.25 * spawn)})")
