@@ -51,7 +51,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 def _tensors_in(tree, found: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors in an operation's arguments or result (nested lists, tuples and dicts), appended to `found`:
-    what torch's `tree_flatten` would list, at a third of its cost (it runs for every operation)."""
+    what torch's `tree_flatten` would list, at a fraction of its cost (it runs for every operation)."""
     if isinstance(tree, torch.Tensor):
         found.append(tree)
     elif isinstance(tree, (list, tuple)):

@@ -4,8 +4,9 @@ messages; nothing in the sandbox can write it. The course's test cells never rea
 process (grading/grader.py) and ask the kernel for plain data. The grader then scores it (grading/classroom.py).
 
 Limits, per notebook (`Limits`):
-- wall-clock time, the kernel's start included: each cell may take what is left of it (and at most
-  nbgrader's `Execute.timeout`); when it runs out, the running cell is stopped and no later cell runs;
+- wall-clock time, from the first cell (the kernel's start, which runs nothing of the submission, has its own
+  time-out, `selfcheck.KERNEL_START_TIMEOUT_S`): each cell may take what is left of it (and at most nbgrader's
+  `Execute.timeout`); when it runs out, the running cell is stopped and no later cell runs;
 - memory, for everything the notebook starts together (a cgroup, grading/cgroup.py): past it the kernel's
   OOM killer stops a process, and a kernel that dies runs no later cell;
 - output size, of everything the cells show together: past it the kernel is stopped.
@@ -110,10 +111,12 @@ class LimitedExecute(Execute):
         return self.km
 
     def preprocess(self, nb, resources=None, km=None):
-        self.deadline = time.monotonic() + self.limits.wall_s
+        self.deadline = math.inf  # from the first cell on: however long the kernel took to start on a busy machine
         return super().preprocess(nb, resources, km)
 
     def preprocess_cell(self, cell, resources, index):
+        if self.deadline == math.inf:
+            self.deadline = time.monotonic() + self.limits.wall_s
         if cell.cell_type != "code" or not cell.source.strip():
             return cell, resources
         self.index = index
