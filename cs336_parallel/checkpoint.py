@@ -8,8 +8,10 @@ value a test can trust (`checks.plain` rebuilds the package's dataclasses from t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, eq=False)  # two shards compare by their tensors, never with ==

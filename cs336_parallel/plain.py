@@ -7,9 +7,9 @@ scalars and `Decimal`s become exact Python numbers, subclasses of the builtins t
 tensor) and refuses anything else: an object whose `==` could be anything never reaches a comparison.
 
 `encode` writes plain data without pickle: a JSON header, then the tensors' raw bytes. `decode` reads it in time
-proportional to its size, imports nothing, and runs no code but the constructors of the types above on plain
-fields: a reply can neither choose code for the grader to run nor take long to read. Both refuse more than
-`max_bytes`.
+proportional to its size, imports nothing but torch (for a tensor), and runs no code but the constructors of the
+types above on plain fields: a reply can neither choose code for the grader to run nor take long to read. Both
+refuse more than `max_bytes`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ from __future__ import annotations
 import base64
 import dataclasses
 import decimal
+import functools
 import json
 import math
 import struct
+import sys
 from fractions import Fraction
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Shard
 from .planning import ClusterSpec, Layout, ModelSpec, Plan, Precision
 from .schedules import Action
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"cs336-plain-1\n"
 _LENGTH = struct.Struct("<Q")
@@ -36,9 +39,23 @@ MAX_BYTES = 64 * 2**20  # the most a value may take encoded, unless the reader s
 # The records that may cross, by name: the package's own types whose fields are plain. Nothing else is rebuilt.
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in (Action, Shard, Precision, ModelSpec, ClusterSpec, Layout,
                                                             Plan)}
-DTYPES = {str(t).removeprefix("torch."): t for t in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.int64,
-    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+# The dtypes whose tensors may cross, by their names in torch.
+DTYPES = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
+          "uint8", "bool")
+
+
+def _torch() -> Any:
+    """torch if this process has imported it, else None. A process that never imported torch holds no tensor,
+    dtype or device, so encoding its values needs none: the grader's rank host relays bytes, and starts a second
+    sooner without torch. Decoding a tensor imports it."""
+    return sys.modules.get("torch")
+
+
+@functools.cache
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 class NotPlainError(TypeError):
@@ -49,14 +66,17 @@ class NotPlainError(TypeError):
 
 def to_plain(value: Any, *, name: str = "the result") -> Any:
     """`value` rebuilt from plain types only; NotPlainError (naming `name`) for anything else."""
-    kind = type(value)
-    if kind in (type(None), bool, int, float, complex, str, bytes, Fraction, torch.dtype, torch.device):
+    kind, torch = type(value), _torch()
+    if kind in (type(None), bool, int, float, complex, str, bytes, Fraction):
         return value
-    if kind is torch.Size:
-        return tuple(value)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.Tensor.detach(value).cpu()
+    if torch is not None:
+        if kind in (torch.dtype, torch.device):
+            return value
+        if kind is torch.Size:
+            return tuple(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.Tensor.detach(value).cpu()
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         item = value.item()  # numpy.int64(7) -> 7: honest code returns them
         if type(item) not in (bool, int, float, complex):
@@ -95,6 +115,7 @@ def encode(value: Any, *, max_bytes: int = MAX_BYTES) -> bytes:
     """Plain `value` (after `to_plain`) as bytes: MAGIC, the header's length, a JSON header, the tensors' bytes."""
     blobs: list[bytes] = []
     size = [0]
+    torch = _torch()
 
     def tensor(t: torch.Tensor) -> dict:
         t = t.detach().cpu().contiguous()
@@ -125,12 +146,13 @@ def encode(value: Any, *, max_bytes: int = MAX_BYTES) -> bytes:
             return {"t": "complex", "v": [walk(v.real), walk(v.imag)]}
         if kind is Fraction:
             return {"t": "fraction", "v": [str(v.numerator), str(v.denominator)]}
-        if kind is torch.dtype:
-            return {"t": "dtype", "v": _dtype_name(v)}
-        if kind is torch.device:
-            return {"t": "device", "v": str(v)}
-        if kind is torch.Tensor:
-            return tensor(v)
+        if torch is not None:
+            if kind is torch.dtype:
+                return {"t": "dtype", "v": _dtype_name(v)}
+            if kind is torch.device:
+                return {"t": "device", "v": str(v)}
+            if kind is torch.Tensor:
+                return tensor(v)
         if REGISTRY.get(kind.__name__) is kind:
             if dataclasses.is_dataclass(kind):
                 fields = {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(kind) if f.init}
@@ -173,9 +195,12 @@ def decode(data: bytes, *, max_bytes: int = MAX_BYTES) -> Any:
     offset = [0]
 
     def tensor(node: dict) -> torch.Tensor:
-        dtype, shape, nbytes = DTYPES.get(node.get("dtype")), node.get("shape"), node.get("nbytes")
-        if dtype is None or not _ints(shape) or any(d < 0 for d in shape) or not _ints([nbytes]):
+        import torch
+
+        name, shape, nbytes = node.get("dtype"), node.get("shape"), node.get("nbytes")
+        if name not in DTYPES or not _ints(shape) or any(d < 0 for d in shape) or not _ints([nbytes]):
             raise NotPlainError("a malformed tensor")
+        dtype = _dtype(name)
         itemsize = torch.empty((), dtype=dtype).element_size()
         if math.prod(shape) * itemsize != nbytes or offset[0] + nbytes > len(blob):
             raise NotPlainError("a tensor whose bytes do not match its shape")
@@ -226,8 +251,10 @@ def decode(data: bytes, *, max_bytes: int = MAX_BYTES) -> Any:
                 raise NotPlainError("a fraction with denominator 0")
             return Fraction(numerator, denominator)
         if tag == "dtype" and v in DTYPES:
-            return DTYPES[v]
+            return _dtype(v)
         if tag == "device" and isinstance(v, str):
+            import torch
+
             return torch.device(v)
         if tag == "tensor":
             return tensor(node)

@@ -29,8 +29,8 @@ from . import procfs, rank_server
 
 
 def start_private() -> None:
-    """Keep this process and its ranks private, and start the ranks' server, which imports torch (1.5 s) while this
-    process imports the rest."""
+    """Keep this process and its ranks private, and start the ranks' server, which imports torch (2 s) while this
+    process imports the rest. This process never imports torch: it relays bytes (tests/test_rank_box.py)."""
     procfs.keep_private()
     os.environ[procfs.PRIVATE] = "1"
     rank_server.warm_up()

@@ -27,8 +27,8 @@ from . import procfs
 
 DIR_PREFIX = "cs336-cluster-"
 OWNER = "owner.lock"  # a cluster folder is in use while a process holds the lock on this file
-# torch._dynamo: imported once per server, not by every rank's first optimizer step (1 s), nor by the kernel.
-PRELOAD = ["torch._dynamo", "cs336_parallel.worker", "cs336_parallel.in_rank_server"]
+# What every rank needs, imported once by the server. torch._dynamo: not by every rank's first optimizer step (1 s).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cs336_parallel.worker", "cs336_parallel.in_rank_server"]
 
 
 def context() -> multiprocessing.context.ForkServerContext:

@@ -9,8 +9,6 @@ Before the tests of another exercise the ranks are replaced: no test sees what a
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from . import plain, protocol
 from .boundary import resolve
 from .cluster import Cluster
@@ -19,6 +17,8 @@ from .cluster import Cluster
 def on_rank(request: bytes, exercises: bytes) -> bytes:
     """On one rank: the driver of `request` (plain data), called with the exercises (pickled by the kernel that
     defined them) in place of their references; its result, encoded as plain data."""
+    import torch.distributed as dist  # the rank's, already imported; the rank host, which imports this module, has none
+
     call = plain.decode(request)
     named = protocol.load_object(exercises) if exercises else {}
     fn, args, kwargs = (resolve(call[k], named) for k in ("fn", "args", "kwargs"))

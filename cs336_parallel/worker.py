@@ -28,9 +28,6 @@ import threading
 import warnings
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 from . import procfs, protocol
 from .protocol import Failure
 
@@ -103,6 +100,11 @@ def run_cell(namespace: dict, source: str, filename: str) -> None:
 def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, err, stack_path: str,
          pg_timeout_s: float) -> None:
     """Entry point of a rank (the target of the kernel's `multiprocessing.Process`)."""
+    # Imported here: the server the ranks fork from has imported them (`rank_server.PRELOAD`), and the processes
+    # that start ranks import this module for this function only (the grader's rank host runs without torch).
+    import torch
+    import torch.distributed as dist
+
     os.setsid()  # a process group of its own: the kernel kills it and everything it started at once
     _die_with_parent()
     if os.environ.get(procfs.PRIVATE):
