@@ -78,7 +78,7 @@ test: $(TEST_READY) chromium sandbox
 	$(PYTEST) $(ARGS)
 
 # A developer's loop: everything but the tests marked slow (whole notebooks autograded, the hosted install,
-# sandboxes, the browser), about 3.5 minutes on 2 cores. `make test` (and CI) runs everything.
+# sandboxes, the browser), about 3 minutes on 2 cores. `make test` (and CI) runs everything.
 test-fast: $(TEST_READY)
 	$(PYTEST) -m "not slow" $(ARGS)
 
