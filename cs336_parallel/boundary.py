@@ -32,7 +32,7 @@ from typing import Any
 
 from .errors import RankError, RankTimeout, format_frames
 from .plain import NotPlainError, to_plain
-from .protocol import Failure, Frame
+from .protocol import Failure, Frame, is_tensor
 
 __all__ = ["NotPlainError"]
 
@@ -132,9 +132,7 @@ def reference(obj: Any) -> dict | None:
         return {"__ref__": "exercise", "name": obj.name}
     if isinstance(obj, functools.partial):
         return {"__ref__": "partial", "fn": obj.func, "args": obj.args, "kwargs": obj.keywords}
-    import torch  # here: the grader's rank host, which imports this module for `describe`, runs without torch
-
-    if callable(obj) and not isinstance(obj, torch.Tensor):
+    if callable(obj) and not is_tensor(obj):
         module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if module and name and "<" not in name:
             try:
