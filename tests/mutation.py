@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
+import symtable
 import textwrap
 from dataclasses import dataclass, field
 
@@ -237,11 +238,8 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
     cells are marked in their metadata. Block numbers are indices into `all_blocks`.
 
     `parts` > 1 deals the blocks out to that many notebooks, graded side by side: this one gets blocks `part`,
-    `part + parts`, ... (so each exercise's fixtures are spread over all of them), and only part 0 keeps the
-    master's own test cells."""
-    nb = nbformat.from_dict(master)
-    if part:
-        nb.cells = [c for c in nb.cells if not _meta(c).get("grade")]
+    `part + parts`, ... (so each exercise's fixtures are spread over all of them). Only part 0 of the ordinary
+    blocks keeps the whole master, its tests and demonstrations; the other notebooks keep what their blocks need."""
     found = exercises(master)
     graded = {_meta(c)["grade_id"]: c.source for c in master.cells if _meta(c).get("grade")}
 
@@ -250,22 +248,61 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
         c.metadata["mutation"] = mark
         return c
 
-    nb.cells.append(cell(SNAPSHOT, role="snapshot"))
+    appended = [cell(SNAPSHOT, role="snapshot")]
     for i, b in enumerate(all_blocks):
         if (b.layer == "machinery") != machinery or i % parts != part:
             continue
         ex = found[b.exercise]
         if b.kind == "tamper":  # a trick earns only what its own answer does: nothing of an earlier block's
-            nb.cells.append(cell(_blank(ex), block=i, role="blank"))
-        nb.cells.append(cell(b.answer, block=i, role="answer"))
+            appended.append(cell(_blank(ex), block=i, role="blank"))
+        appended.append(cell(b.answer, block=i, role="answer"))
         for concern, grade_id in ex.tests.items():
-            nb.cells.append(cell(graded[grade_id], block=i, role="test", concern=concern))
+            appended.append(cell(graded[grade_id], block=i, role="test", concern=concern))
         if b.kind == "correct":
-            nb.cells += [cell(source, block=i, role="demo") for source in ex.demos]
+            appended += [cell(source, block=i, role="demo") for source in ex.demos]
         if b.cleanup:
-            nb.cells.append(cell(b.cleanup, block=i, role="cleanup"))
-        nb.cells.append(cell(ex.answer, block=i, role="restore"))  # the next block meets the master's answers only
+            appended.append(cell(b.cleanup, block=i, role="cleanup"))
+        appended.append(cell(ex.answer, block=i, role="restore"))  # the next block meets the master's answers only
+    nb = nbformat.from_dict(master)
+    if machinery or part:
+        nb.cells = _needed(nb.cells, appended)
+    nb.cells += appended
     return nb
+
+
+def _needed(cells: list, later: list) -> list:
+    """The master's cells that the cells `later` need: its setup and answers (nbgrader's cells but the tests),
+    its `%cluster` lines, and each cell that binds a name a later kept cell uses; text cells too, which cost
+    nothing. The demonstrations and measurements that only show something are left to part 0, which runs them."""
+    used = set().union(*(_reads(c.source) for c in later))
+    kept = []
+    for c in reversed(cells):
+        meta = _meta(c)
+        if meta.get("grade"):
+            continue
+        if c.cell_type != "code" or meta or re.search(r"^\s*%(?!%)", c.source, re.M) or _names(c.source)[0] & used:
+            kept.append(c)
+            used |= _reads(c.source)
+    return kept[::-1]
+
+
+def _reads(source: str) -> set[str]:
+    """The names a cell reads from the notebook's namespace: those it, or a function it defines, reads but the cell
+    does not bind (`x` in `x[k] = ...` and in `x += ...` is read)."""
+    try:
+        code = _python(source)
+        top = symtable.symtable(code, "<cell>", "exec")
+    except SyntaxError:
+        return set()
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    reads, scopes = set(), [top]
+    while scopes:
+        scope = scopes.pop()
+        reads |= {s.get_name() for s in scope.get_symbols() if s.is_referenced() and (scope is top or s.is_global())}
+        scopes += scope.get_children()
+    updated = {n.target.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.AugAssign)
+               and isinstance(n.target, ast.Name)}
+    return reads - bound | updated
 
 
 def _failure(cell) -> str | None:

@@ -188,6 +188,28 @@ def grade_mutations(name: str, root: Path) -> MutationRun:
                        autograded(root, name, "mutations"), outcomes)
 
 
+def test_the_other_parts_run_only_the_master_cells_their_blocks_read():
+    """Part 0 runs the whole master; another part keeps the setup and answers (nbgrader's cells, not its tests),
+    `%cluster` lines, and each cell that binds a name a kept cell after it reads. A cell that only shows something,
+    or binds only what nothing reads, is left out."""
+    def code(source: str, **nbgrader):
+        c = nbformat.v4.new_code_cell(source)
+        if nbgrader:
+            c.metadata["nbgrader"] = nbgrader
+        return c
+
+    setup = code("%load_ext cs336_parallel\nimport torch", locked=True, grade_id="setup")
+    answer = code("def f(x):\n    return x * SCALE", solution=True, grade_id="f")
+    test = code("%%test f\nassert f(1) == 2", grade=True, grade_id="test_f")
+    master = [setup, code("SCALE = 2"), answer, test, code("%cluster start -n 2"), code("rows = [f(1)]\nprint(rows)"),
+              code("DIM, unread = 4, 0"), code("totals = {}"), code("print(DIM)"),
+              code("def helper():\n    rows = 1\n    return rows")]
+    demo = code("totals['a'] = f(DIM)\nrows = [helper() for _ in range(2)]")
+    kept = [c.source.split("\n")[0] for c in mutation._needed(master, [demo])]
+    assert kept == ["%load_ext cs336_parallel", "SCALE = 2", "def f(x):", "%cluster start -n 2", "DIM, unread = 4, 0",
+                    "totals = {}", "def helper():"]
+
+
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
 def mutation_run(request, tmp_path_factory) -> MutationRun:
     """Each notebook's mutation run is a unit of its own: it fails alone, with its own message."""
