@@ -127,6 +127,7 @@ $(READY): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { echo $(NO_VENV); exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[course]'
+	$(BIN)/python -m compileall -q cs336_parallel  # sandboxes read it read-only: compiled once, not per process
 	$(BIN)/python -m cs336_parallel.kernel --install $(KERNEL) "Python 3 ($(KERNEL))"
 	$(BIN)/jupyter server extension disable --sys-prefix $(NBGRADER_SERVER_OFF:%=nbgrader.server_extensions.%) >/dev/null 2>&1
 	$(BIN)/jupyter labextension disable --level=sys_prefix $(NBGRADER_LAB_OFF:%=@jupyter/nbgrader:%) >/dev/null 2>&1

@@ -60,6 +60,11 @@ def test_make_grade_uses_the_lock_too(tmp_path):
     assert len(lines) == 1 and "-c requirements/lock.txt" in lines[0]
 
 
+def test_the_install_compiles_the_package_once_for_the_sandboxes_that_read_it_read_only(tmp_path):
+    lines = dry_run("lab", tmp_path=tmp_path).splitlines()
+    assert any("-m compileall -q cs336_parallel" in line for line in lines), lines
+
+
 def test_torch_cpu_selects_pytorchs_cpu_wheel_index_with_the_same_lock(tmp_path):
     """The CPU index's torch 2.13.0+cpu satisfies the lock's torch==2.13.0 (a local version label), and needs
     none of the CUDA packages the lock lists for PyPI's build: constraints pin them, they do not install them."""
