@@ -302,7 +302,7 @@ def _reads(source: str) -> set[str]:
         scopes += scope.get_children()
     updated = {n.target.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.AugAssign)
                and isinstance(n.target, ast.Name)}
-    return reads - bound | updated
+    return (reads - bound) | updated
 
 
 def _failure(cell) -> str | None:
