@@ -4,10 +4,10 @@ each followed by copies of its exercise's test cells, graded in one autograde ru
 The master part is graded as usual (its scores land in the gradebook). Each fixture is a block appended after
 it: the answer cell, copies of the exercise's test cells (hidden parts included: the grader runs any cell whose
 source is one of the master's test cells in its own process, as it runs the originals), and for a correct
-answer, the demonstration cells that use the exercise, run again. A copy passes when it shows no error and
-nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that puts back what it
-changed in the kernel (`SNAPSHOT`, `RESTORE`), and every block with the master's answer to its exercise, so
-that each block meets the master's answers to the other exercises, whichever blocks ran before it.
+answer, the demonstration cells that read the exercise or what it computed, run again. A copy passes when it
+shows no error and nothing on stderr, as nbgrader scores a test cell. A tampering block ends with a cell that
+puts back what it changed in the kernel (`SNAPSHOT`, `RESTORE`), and every block with the master's answer to its
+exercise, so that each block meets the master's answers to the other exercises, whichever blocks ran before it.
 
 Tricks on the kernel's own machinery (input transformers, custom exception handlers, magics) may leave the
 kernel unable to put anything back: they run in a notebook of their own (`build(..., machinery=True)`).
@@ -39,31 +39,12 @@ def _python(source: str) -> str:
     return "\n".join("" if re.match(r"\s*[%!]", line) else line for line in lines)
 
 
-def _names(source: str) -> tuple[set[str], set[str]]:
-    """(names a cell defines at top level, names it uses)."""
-    try:
-        tree = ast.parse(_python(source))
-    except SyntaxError:
-        return set(), set()
-    defined, used = set(), set()
-    for stmt in tree.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(stmt.name)
-        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            defined.update((a.asname or a.name).split(".")[0] for a in stmt.names)
-        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    return defined, used
-
-
 @dataclass
 class Exercise:
     name: str
     answer: str  # the master's answer cell
     tests: dict[str, str] = field(default_factory=dict)  # concern -> grade_id
-    demos: list[str] = field(default_factory=list)  # later demonstration cells that use it, in order
+    demos: list[str] = field(default_factory=list)  # later demonstration cells that read it, or what it computed
 
     @property
     def is_class(self) -> bool:
@@ -87,17 +68,31 @@ def exercises(nb) -> dict[str, Exercise]:
             concern = meta["grade_id"].removeprefix(f"test_{name}").lstrip("_") or "main"
             found[name].tests[concern] = meta["grade_id"]
     for ex in found.values():
-        after = False
-        using = {ex.name}
+        after, derived = False, {ex.name}  # the names whose values come from the exercise
         for cell in nb.cells:
             if _meta(cell).get("grade_id") in ex.tests.values():
                 after = True
-            elif after and cell.cell_type == "code" and not _meta(cell):
-                defined, used = _names(cell.source)
-                if used & using:
-                    ex.demos.append(cell.source)
-                    using |= defined
+            elif after and cell.cell_type == "code" and not _meta(cell) and _derives(cell.source, derived):
+                ex.demos.append(cell.source)
     return found
+
+
+def _derives(source: str, derived: set[str]) -> bool:
+    """Whether a cell reads a name of `derived` (those whose values come from an exercise). Statement by statement,
+    what a statement binds or changes from them joins `derived`, and what it binds from anything else leaves it."""
+    try:
+        statements = [ast.unparse(s) for s in ast.parse(_python(source)).body]
+    except SyntaxError:
+        return False
+    reads = False
+    for statement in statements:
+        bound, changed = _binds(statement)
+        if _reads(statement) & derived:
+            reads = True
+            derived |= bound | changed
+        else:
+            derived -= bound
+    return reads
 
 
 def imported_test_names(nb) -> set[str]:
@@ -272,18 +267,43 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
 
 def _needed(cells: list, later: list) -> list:
     """The master's cells that the cells `later` need: its setup and answers (nbgrader's cells but the tests),
-    its `%cluster` lines, and each cell that binds a name a later kept cell uses; text cells too, which cost
-    nothing. The demonstrations and measurements that only show something are left to part 0, which runs them."""
+    its `%cluster` lines, and each cell that binds or changes a name a later kept cell reads; text cells too, which
+    cost nothing. The demonstrations and measurements that only show something are left to part 0, which runs them."""
     used = set().union(*(_reads(c.source) for c in later))
     kept = []
     for c in reversed(cells):
         meta = _meta(c)
         if meta.get("grade"):
             continue
-        if c.cell_type != "code" or meta or re.search(r"^\s*%(?!%)", c.source, re.M) or _names(c.source)[0] & used:
+        if (c.cell_type != "code" or meta or re.search(r"^\s*%(?!%)", c.source, re.M)
+                or set().union(*_binds(c.source)) & used):
             kept.append(c)
             used |= _reads(c.source)
     return kept[::-1]
+
+
+def _binds(source: str) -> tuple[set[str], set[str]]:
+    """(the names a cell binds at top level, the names whose objects it changes in place: `x` in `x[k] = ...`,
+    `x.a = ...` and `x += ...`)."""
+    try:
+        code = _python(source)
+        top = symtable.symtable(code, "<cell>", "exec")
+    except SyntaxError:
+        return set(), set()
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    changed = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.AugAssign):
+            target = node.target
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            target = node.value
+        else:
+            continue
+        while isinstance(target, (ast.Subscript, ast.Attribute)):
+            target = target.value
+        if isinstance(target, ast.Name):
+            changed.add(target.id)
+    return bound, changed
 
 
 def _reads(source: str) -> set[str]:

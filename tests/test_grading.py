@@ -210,6 +210,25 @@ def test_the_other_parts_run_only_the_master_cells_their_blocks_read():
                     "totals = {}", "def helper():"]
 
 
+def test_a_correct_answer_reruns_the_demonstrations_that_read_it_or_what_it_computed():
+    """A demonstration after the exercise's tests runs again after each correct fixture when it reads the exercise,
+    or a name that a statement reading them bound or changed in place, unless a statement that does not bound it
+    again."""
+    nb = nbformat.v4.new_notebook()
+    answer = nbformat.v4.new_code_cell("def f(x):\n    return x")
+    answer.metadata["nbgrader"] = {"solution": True, "grade_id": "f"}
+    test = nbformat.v4.new_code_cell("%%test f\nassert f(1) == 1")
+    test.metadata["nbgrader"] = {"grade": True, "grade_id": "test_f"}
+    rerun = ["y = f(1)", "print(y)", "table['a'] = f(2)", "print(table)", "def g():\n    return f(0)", "g()",
+             "GB = 1e9\nz = f(2) / GB"]
+    not_rerun = ["y = 3", "print(y)", "table = {}", "def h(x):\n    y = x\n    return y", "print(h(1))",
+                 "print(GB)"]
+    order = [rerun[0], rerun[1], not_rerun[0], not_rerun[1], not_rerun[2], rerun[2], rerun[3], rerun[4],
+             not_rerun[3], not_rerun[4], rerun[5], rerun[6], not_rerun[5]]
+    nb.cells = [nbformat.v4.new_code_cell("print(f(0))"), answer, test, *map(nbformat.v4.new_code_cell, order)]
+    assert mutation.exercises(nb)["f"].demos == rerun
+
+
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
 def mutation_run(request, tmp_path_factory) -> MutationRun:
     """Each notebook's mutation run is a unit of its own: it fails alone, with its own message."""
