@@ -106,10 +106,9 @@ class RankProcess:
             return f"was killed by signal {signal.Signals(-code).name}"
         return f"died (exit code {code})"
 
-    def idle_problem(self, ready: list) -> str | None:
-        """What is wrong with the rank between calls (`ready`: the handles with something to say), if anything.
-        A reply to no request of the coming call is dropped."""
-        state = procfs.state(self.process.pid)
+    def idle_problem(self, state: str | None, ready: list) -> str | None:
+        """What is wrong with the rank between calls (`state`: its process's state letter, then `ready`: the handles
+        with something to say), if anything. A reply to no request of the coming call is dropped."""
         if self.process.sentinel in ready or state in ("Z", "X"):
             return f"{self.how_it_ended()} while idle, between calls"
         if state in STOPPED:
@@ -227,11 +226,13 @@ class RankProcesses:
             raise RankError(r.rank, f"rank {r.rank} {value} while starting.", output.recent_errors(r.rank))
 
     def find_unhealthy(self) -> tuple[int, str] | None:
-        """Between calls: the first rank that is not alive, running and silent, and what is wrong with it."""
-        handles = [h for r in self._ranks for h in r.handles()]
-        ready = multiprocessing.connection.wait(handles, 0)
-        for r in self._ranks:
-            problem = r.idle_problem(ready)
+        """Between calls: the first rank that is not alive, running and silent, and what is wrong with it. The states
+        are read first: a killed rank is a zombie (Z) until it is reaped, and its pipes close before it is reaped,
+        so one of the two looks sees it end (the other order can miss a rank reaped between them)."""
+        states = [procfs.state(r.process.pid) for r in self._ranks]
+        ready = multiprocessing.connection.wait([h for r in self._ranks for h in r.handles()], 0)
+        for r, state in zip(self._ranks, states, strict=True):
+            problem = r.idle_problem(state, ready)
             if problem:
                 return r.rank, problem
         return None

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from common import pid_alive, wait_gone, wait_until
 from cs336_parallel import Cluster, RankError, RankTimeout, procfs
+from cs336_parallel.processes import RankProcess, RankProcesses
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +176,42 @@ def test_a_rank_killed_while_idle_is_named_and_the_group_restarts(cluster, tmp_p
     assert info.value.headline == "rank 2 was killed by signal SIGKILL while idle, between calls."
     assert "[rank 2 stderr] last words" in str(info.value)  # what it said before it died
     assert cluster.run(lambda: dist.get_rank()) == [0, 1, 2, 3]
+
+
+def test_a_rank_reaped_between_the_two_looks_is_still_seen_dead_while_idle(monkeypatch):
+    """A killed rank is a zombie (its pipes may stay open while its threads end), then reaped (gone from /proc, its
+    pipes closed and its end reported). If it passes from one to the other while the kernel checks it, whichever
+    look comes first sees a zombie and the second a closed pipe: either way it is seen dead."""
+    conn, rank_end = multiprocessing.Pipe()
+    sentinel, reported = multiprocessing.Pipe(duplex=False)
+    reaped = []
+
+    def reap() -> None:  # after the first look
+        if not reaped:
+            reaped.append(True)
+            rank_end.close()
+            reported.send_bytes(b"-9")
+
+    def state(pid: int) -> str | None:
+        found = None if reaped else "Z"
+        reap()
+        return found
+
+    def wait(handles: list, timeout: float | None = None) -> list:
+        ready = real_wait(handles, timeout)
+        reap()
+        return ready
+
+    real_wait = multiprocessing.connection.wait
+    monkeypatch.setattr(procfs, "state", state)
+    monkeypatch.setattr(multiprocessing.connection, "wait", wait)
+    process = SimpleNamespace(pid=os.getpid(), sentinel=sentinel, exitcode=-signal.SIGKILL, join=lambda timeout: None)
+    ranks = RankProcesses(1, "gloo")
+    ranks._ranks = [RankProcess(0, process, conn, pipes=None, stack="")]
+    try:
+        assert ranks.find_unhealthy() == (0, "was killed by signal SIGKILL while idle, between calls")
+    finally:
+        ranks._ranks = []  # no fake for the exit's clean-up to kill
 
 
 def test_a_rank_whose_process_group_is_gone_is_restarted(cluster):
