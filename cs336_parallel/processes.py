@@ -156,9 +156,9 @@ class RankProcesses:
         ctx = rank_server.context()  # torch is imported once, in the server
         try:
             self._fork_all(ctx)
-        except (ConnectionRefusedError, FileNotFoundError):
-            # The server is on its way out (an earlier start failed half way through handing it a rank): once it
-            # has exited, multiprocessing starts a new one.
+        except (ConnectionRefusedError, FileNotFoundError, EOFError):
+            # The server is on its way out (an earlier start failed half way through handing it a rank), and refused
+            # the connection or closed it unanswered: once it has exited, multiprocessing starts a new one.
             self.kill()
             rank_server.await_exit()
             self._fork_all(ctx)

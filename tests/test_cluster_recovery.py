@@ -254,9 +254,12 @@ def test_a_world_size_beyond_the_machine_is_refused_with_the_reason(world_size, 
 
 
 @pytest.mark.slow  # a stress test: `make test` runs it, `make test-fast` does not
-def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
-    script = python_script("""
-        import os, resource, torch.distributed as dist
+@pytest.mark.parametrize("free", [8, 14], ids=["in the first rank's handshake", "part way through the ranks"])
+def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script, free):
+    """With `free` descriptors left, the start fails while handing the rank server a rank, which makes the server
+    exit; the ranks already forked are killed, and the next start, with descriptors again, gets a new server."""
+    script = python_script(f"""
+        import os, resource, time, torch.distributed as dist
         from multiprocessing import forkserver
         from cs336_parallel import Cluster, procfs, rank_server
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -272,14 +275,18 @@ def test_running_out_of_file_descriptors_leaves_nothing_behind(python_script):
                 hogs.append(os.open(os.devnull, os.O_RDONLY))
         except OSError:
             pass
-        for fd in hogs[-14:]:
-            os.close(fd)  # a few left: the cluster runs out part way through starting its ranks
+        for fd in hogs[-{free}:]:
+            os.close(fd)
         try:
             c.start()
         except OSError as e:
             print("failed:", type(e).__name__, flush=True)
-        print("left:", c.status(), procfs.children(forkserver._forkserver._forkserver_pid), flush=True)
-        for fd in hogs[:-14]:
+        server = forkserver._forkserver._forkserver_pid
+        deadline = time.monotonic() + 10
+        while procfs.children(server) and time.monotonic() < deadline:  # an exiting server lists its killed
+            time.sleep(0.01)                                                # ranks until they are handed to init
+        print("left:", c.status(), procfs.children(server), flush=True)
+        for fd in hogs[:-{free}]:
             os.close(fd)
         print("then:", c.run(lambda: dist.get_rank()), flush=True)
     """)
