@@ -186,8 +186,10 @@ def kernel():
 
 def test_interrupt_stops_every_rank_and_the_kernel_stays_usable(kernel):
     pids = kernel.start_cluster(2)[:2]
+    # stop_on_error=False: ipykernel aborts a request that reaches it before it has finished with an error
+    # (ipython/ipykernel#609), and the next cell here is sent the moment the error's reply arrives.
     kernel.kc.execute("%%ranks --timeout 600\nprint('stuck', rank, flush=True)\nif rank == 0:\n    dist.barrier()\n"
-                      "while True:\n    pass")
+                      "while True:\n    pass", stop_on_error=False)
     kernel.wait_for_output("[rank 0] stuck 0", "[rank 1] stuck 1")  # the cell runs on the ranks: they are stuck
     kernel.km.interrupt_kernel()
     reply = kernel.kc.get_shell_msg(timeout=PATIENCE_S)
