@@ -3,9 +3,10 @@
 A rank's own count of what it sent is only its word. Linux keeps its own count per TCP socket (`TCP_INFO`:
 `tcpi_bytes_received`), and a process allowed to trace the ranks (their parent, or the grader that owns their
 sandbox's user namespace) can read it: it lists each rank's sockets in /proc/<pid>/fd, takes a copy of each with
-`pidfd_getfd` (Linux 5.6+) and asks the kernel. A socket's peer is a rank when another rank's socket has that
-address: the bytes rank s received on it came from that rank. Traffic between anything else (a process of the
-notebook's kernel, a rank talking to itself) counts for no pair.
+`pidfd_getfd` (Linux 5.6+) and asks the kernel. A socket's peer is a rank when that rank holds the other end
+(a socket whose local address is this one's peer, and whose peer is this one): the bytes rank s received on it
+came from that rank. Traffic between anything else (a process of the notebook's kernel, a rank talking to
+itself) counts for no pair.
 
 `snapshot(pids)` before and after a request, then `traffic(before, after)`: a matrix, `m[r][s]` the bytes rank s
 received from rank r. Where /proc or the system call is missing or not allowed, `snapshot` returns None.
@@ -102,12 +103,14 @@ def snapshot(pids: list[int]) -> Snapshot | None:
 def traffic(before: Snapshot, after: Snapshot) -> list[list[int]]:
     """`m[r][s]`: bytes rank s received from rank r between the two snapshots (r != s; the diagonal stays 0)."""
     n = len(after)
-    owner = {sock.local: rank for rank, socks in after.items() for sock in socks}
+    # A connection by its two ends: sockets of different ranks may share a local address (Linux lets connect()
+    # reuse an ephemeral port towards another destination), so the local address alone does not name its rank.
+    owner = {(sock.local, sock.peer): rank for rank, socks in after.items() for sock in socks}
     earlier = {sock.inode: sock.received for socks in before.values() for sock in socks}
     matrix = [[0] * n for _ in range(n)]
     for receiver, socks in after.items():
         for sock in socks:
-            sender = owner.get(sock.peer)
+            sender = owner.get((sock.peer, sock.local))
             if sender is not None and sender != receiver:
                 matrix[sender][receiver] += sock.received - earlier.get(sock.inode, 0)
     return matrix

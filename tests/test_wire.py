@@ -81,3 +81,17 @@ def test_the_pids_of_a_sandbox_are_found_from_outside():
 
     assert wire.outer_pids(os.getpid(), [os.getpid()]) == [os.getpid()]
     assert wire.outer_pids(os.getpid(), [10**7]) is None
+
+
+def test_ranks_whose_sockets_share_a_local_port_are_told_apart_by_the_other_end():
+    """Linux lets connect() reuse an ephemeral port towards another destination: here ranks 1 and 2 both connect
+    from port 6000, rank 1 to rank 0's listener (5000), rank 2 to rank 1's (8000)."""
+    host = "127.0.0.1"
+    rank1_to_0 = wire.Socket(1, (host, 6000), (host, 5000), 0)
+    rank2_to_1 = wire.Socket(2, (host, 6000), (host, 8000), 0)
+    at_0_from_1 = wire.Socket(3, (host, 5000), (host, 6000), 0)
+    at_1_from_2 = wire.Socket(4, (host, 8000), (host, 6000), 0)
+    before = {0: [at_0_from_1], 1: [rank1_to_0, at_1_from_2], 2: [rank2_to_1]}
+    after = {0: [wire.Socket(3, (host, 5000), (host, 6000), 100)],
+             1: [rank1_to_0, wire.Socket(4, (host, 8000), (host, 6000), 70)], 2: [rank2_to_1]}
+    assert wire.traffic(before, after) == [[0, 0, 0], [100, 0, 0], [0, 70, 0]]
