@@ -68,9 +68,9 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
 
 .PHONY: test test-fast test-latest lock chromium sandbox notebooks lint
 
-# Two pytest-xdist workers, each running whole modules (a module's fixtures are built once), the longest first
-# (tests/conftest.py): much of the suite waits on kernels, sandboxes and ranks, and the other worker fills those
-# waits. WORKERS=0: one process.
+# Two pytest-xdist workers, each running whole modules (a module's fixtures are built once) or one notebook's
+# mutation run, the longest first (tests/conftest.py): much of the suite waits on kernels, sandboxes and ranks,
+# and the other worker fills those waits. WORKERS=0: one process.
 WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 

@@ -38,9 +38,31 @@ def pytest_runtest_setup(item):
         item.add_marker(pytest.mark.skip(reason=f"needs a sandbox: {why}"))
 
 
-# The longest modules first, so that two pytest-xdist workers (`make test`) start on one each and the rest
-# fill in around them.
-LONGEST_FIRST = ("test_grading.py", "test_trust.py")
+# pytest-xdist (`make test`) gives each worker whole modules, so that a module's fixtures are built once, but
+# deals test_mutations.py out notebook by notebook (each notebook's run is a fixture of its own), so that both
+# workers grade notebooks. The longest first; the rest fill in around them.
+LONGEST_FIRST = ("test_trust.py", "test_mutations.py")
+
+
+def _unit(nodeid: str) -> str:
+    """The tests one worker runs together: a module, or one notebook's mutation run (`...[03_zero_fsdp]`)."""
+    module, _, test = nodeid.partition("::")
+    if module.endswith("test_mutations.py") and test.endswith("]"):
+        return f"{module}[{test.rsplit('[', 1)[1]}"
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)
 
 
 # A slow test grades whole notebooks: minutes on quiet cores, several times that beside other work. Its timeout

@@ -228,13 +228,10 @@ def blocks(nb, variants: dict[str, list]) -> list[Block]:
     return ordinary + tampering
 
 
-def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int = 0, parts: int = 1):
+def build(master, all_blocks: list[Block], *, machinery: bool = False):
     """The master notebook with blocks appended (those on the kernel's machinery, or all the others); harness
-    cells are marked in their metadata. Block numbers are indices into `all_blocks`.
-
-    `parts` > 1 deals the blocks out to that many notebooks, graded side by side: this one gets blocks `part`,
-    `part + parts`, ... (so each exercise's fixtures are spread over all of them). Only part 0 of the ordinary
-    blocks keeps the whole master, its tests and demonstrations; the other notebooks keep what their blocks need."""
+    cells are marked in their metadata. Block numbers are indices into `all_blocks`. The notebook of the
+    machinery's blocks keeps only what they need of the master: the other one runs its tests and demonstrations."""
     found = exercises(master)
     graded = {_meta(c)["grade_id"]: c.source for c in master.cells if _meta(c).get("grade")}
 
@@ -245,7 +242,7 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
 
     appended = [cell(SNAPSHOT, role="snapshot")]
     for i, b in enumerate(all_blocks):
-        if (b.layer == "machinery") != machinery or i % parts != part:
+        if (b.layer == "machinery") != machinery:
             continue
         ex = found[b.exercise]
         if b.kind == "tamper":  # a trick earns only what its own answer does: nothing of an earlier block's
@@ -259,7 +256,7 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
             appended.append(cell(b.cleanup, block=i, role="cleanup"))
         appended.append(cell(ex.answer, block=i, role="restore"))  # the next block meets the master's answers only
     nb = nbformat.from_dict(master)
-    if machinery or part:
+    if machinery:
         nb.cells = _needed(nb.cells, appended)
     nb.cells += appended
     return nb
@@ -268,7 +265,8 @@ def build(master, all_blocks: list[Block], *, machinery: bool = False, part: int
 def _needed(cells: list, later: list) -> list:
     """The master's cells that the cells `later` need: its setup and answers (nbgrader's cells but the tests),
     its `%cluster` lines, and each cell that binds or changes a name a later kept cell reads; text cells too, which
-    cost nothing. The demonstrations and measurements that only show something are left to part 0, which runs them."""
+    cost nothing. The demonstrations and measurements that only show something are left to the notebook that runs
+    the whole master."""
     used = set().union(*(_reads(c.source) for c in later))
     kept = []
     for c in reversed(cells):

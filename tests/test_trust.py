@@ -30,8 +30,8 @@ GRADER = {}  # what the grader's process was before and after grading the class
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> Path:
-    """Every submission of tests/fixtures/cheats.py, and a blank one of each assignment, collected from an LMS-like
-    download folder, autograded two at a time, with feedback."""
+    """Every submission of tests/fixtures/cheats.py, collected from an LMS-like download folder, autograded two at
+    a time, with feedback. (A blank notebook of each assignment is graded in test_mutations.py.)"""
     GRADER["before"] = {"session": os.getsid(0), "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     root, downloads = tmp_path_factory.mktemp("course"), tmp_path_factory.mktemp("downloads")
     for name in ASSIGNMENTS:
@@ -41,9 +41,6 @@ def graded(tmp_path_factory) -> Path:
         student = nbformat.read(root / "notebooks" / f"{submission.assignment}.ipynb", 4)
         (downloads / submission.name).mkdir()
         nbformat.write(notebook(submission, student), downloads / submission.name / f"{submission.assignment}.ipynb")
-    for name in ASSIGNMENTS:
-        (downloads / "blank").mkdir(exist_ok=True)
-        shutil.copy(root / "notebooks" / f"{name}.ipynb", downloads / "blank" / f"{name}.ipynb")
     gradebook.collect(downloads, root)
     classroom.autograde(None, root, jobs=2, limits=runner.Limits(wall_s=3000))  # slow under load is fine
     GRADER["after"] = {"session": os.getsid(0), "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
@@ -67,12 +64,6 @@ def test_a_trick_earns_nothing(graded, cheat):
         cheat.why, [(s.cell, s.score) for s in scores(graded, cheat).values() if s.score])
 
 
-@pytest.mark.parametrize("name", ASSIGNMENTS)
-def test_a_blank_notebook_earns_nothing(graded, name):
-    blank = Submission("blank", "the student version as released", name, {})
-    assert all(s.score == 0 for s in scores(graded, blank).values())
-
-
 @pytest.mark.parametrize("honest", [*HONEST, *LEAKS[:2]], ids=lambda c: c.name)
 def test_honest_code_earns_its_marks_however_it_looks(graded, honest):
     got = scores(graded, honest)
@@ -89,7 +80,7 @@ def test_no_feedback_shows_a_hidden_test_line_or_a_submissions_script(graded):
             for block in re.findall(r"### BEGIN HIDDEN TESTS\n(.*?)### END", cell.source, re.S):
                 hidden += [line.strip() for line in block.splitlines() if len(line.strip()) > 12]
     pages = sorted((graded / "feedback").rglob("*.html"))
-    assert len(pages) == len(CHEATS) + len(LEAKS) + len(HONEST) + len(ASSIGNMENTS)
+    assert len(pages) == len(CHEATS) + len(LEAKS) + len(HONEST)
     for page in pages:
         html = page.read_text()
         leaked = [line for line in hidden if line in html]
