@@ -1,4 +1,5 @@
-"""What the tests share that is not a fixture: the repository's root, and how to wait for processes and output.
+"""What the tests share that is not a fixture: the repository's root, how to wait for processes and output, and
+what one pytest-xdist worker runs together.
 
 A test waits on evidence that something happened (a line printed, a file that appears, a process state in /proc),
 never on a sleep that hopes it has: `wait_until` polls for it up to a generous deadline, then fails saying what it
@@ -27,6 +28,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PATIENCE_S = 120.0
 
 T = TypeVar("T")
+
+
+def xdist_unit(nodeid: str) -> str:
+    """The tests one pytest-xdist worker runs together (tests/conftest.py): a module, so that its fixtures are built
+    once, or one notebook's mutation run (`tests/test_mutations.py[03_zero_fsdp]`), so that both workers grade."""
+    module, _, test = nodeid.partition("::")
+    if module.endswith("test_mutations.py") and test.endswith("]"):
+        return f"{module}[{test.rsplit('[', 1)[1]}"
+    return module
 
 
 def wait_until(condition: Callable[[], T], what: str, timeout: float = PATIENCE_S, interval: float = 0.02) -> T:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common import ROOT
+from common import ROOT, xdist_unit
 
 # Grading isolates each submission where bubblewrap runs (`make sandbox` installs it); where it cannot, the
 # suite grades without isolation rather than fail, and the tests marked `sandbox` are skipped, saying why.
@@ -44,14 +44,6 @@ def pytest_runtest_setup(item):
 LONGEST_FIRST = ("test_trust.py", "test_mutations.py")
 
 
-def _unit(nodeid: str) -> str:
-    """The tests one worker runs together: a module, or one notebook's mutation run (`...[03_zero_fsdp]`)."""
-    module, _, test = nodeid.partition("::")
-    if module.endswith("test_mutations.py") and test.endswith("]"):
-        return f"{module}[{test.rsplit('[', 1)[1]}"
-    return module
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
@@ -60,7 +52,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _unit(nodeid)
+            return xdist_unit(nodeid)
 
     return ByUnit(config, log)
 

@@ -16,7 +16,7 @@ import mutation
 import nbformat
 import pytest
 
-from common import ROOT
+from common import ROOT, xdist_unit
 from grading import classroom, gradebook
 from grading.runner import Limits
 
@@ -109,6 +109,17 @@ def test_a_correct_answer_reruns_the_demonstrations_that_read_it_or_what_it_comp
              not_rerun[3], not_rerun[4], rerun[5], rerun[6], not_rerun[5]]
     nb.cells = [nbformat.v4.new_code_cell("print(f(0))"), answer, test, *map(nbformat.v4.new_code_cell, order)]
     assert mutation.exercises(nb)["f"].demos == rerun
+
+
+def test_each_notebooks_mutation_run_is_a_unit_of_its_own_and_other_modules_stay_whole():
+    run = "tests/test_mutations.py::test_every_fixture_is_graded_as_its_kind[{}]"
+    assert xdist_unit(run.format("03_zero_fsdp")) == "tests/test_mutations.py[03_zero_fsdp]"
+    assert xdist_unit(run.format("03_zero_fsdp")) != xdist_unit(run.format("02_data_parallel"))
+    assert xdist_unit("tests/test_mutations.py::test_each_failure_says_in_one_line_which_case_failed[03_zero_fsdp]") \
+        == xdist_unit(run.format("03_zero_fsdp"))
+    assert xdist_unit("tests/test_trust.py::test_a_trick_earns_nothing[magic_by_name]") == "tests/test_trust.py"
+    assert xdist_unit("tests/test_grading.py::test_test_cells_follow_the_house_rules[01_collectives]") \
+        == "tests/test_grading.py"
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in ASSIGNMENTS])
