@@ -100,7 +100,7 @@ def run_cell(namespace: dict, source: str, filename: str) -> None:
 def main(rank: int, world_size: int, backend: str, store_path: str, conn, out, err, stack_path: str,
          pg_timeout_s: float) -> None:
     """Entry point of a rank (the target of the kernel's `multiprocessing.Process`)."""
-    # Imported here: the server the ranks fork from has imported them (`rank_server.PRELOAD`), and the processes
+    # Imported here: the server the ranks fork from has imported them (`rank_server.preload`), and the processes
     # that start ranks import this module for this function only (the grader's rank host runs without torch).
     import torch
     import torch.distributed as dist

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +44,19 @@ class ReplyTooLarge(BoxStopped):
 
 class RankBox:
     """`rank_host` in `box`/ranks, started on first use; `user`: the unprivileged account it runs as (None: the
-    grader's own); `memory`: the notebook's memory cgroup, whose ranks' leaf it joins first."""
+    grader's own); `memory`: the notebook's memory cgroup, whose ranks' leaf it joins first; `settings`: added to
+    its environment (`sandbox.kernel_env`)."""
 
-    def __init__(self, box: Path, *, use_sandbox: bool, user: str | None = None, memory: MemoryLimit | None = None):
+    def __init__(self, box: Path, *, use_sandbox: bool, user: str | None = None, memory: MemoryLimit | None = None,
+                 settings: Mapping[str, str] | None = None):
         self.box, self.use_sandbox, self.user, self.memory = box, use_sandbox, user, memory
+        self.settings = dict(settings or {})
         self.process: subprocess.Popen | None = None
         self.pids: dict[int, list[int]] = {}  # world size -> the ranks' pids, as the grader sees them
 
     def command(self) -> list[str]:
         folder = self.box / "ranks"
-        env = {**sandbox.kernel_env(folder), "NBGRADER_EXECUTION": "autograde"}
+        env = {**sandbox.kernel_env(folder, self.settings), "NBGRADER_EXECUTION": "autograde"}
         cmd = [sys.executable, "-m", "cs336_parallel.rank_host"]
         if self.use_sandbox:
             cmd = sandbox.bwrap_args(self.box, env, writable=("ranks",)) + cmd
@@ -68,7 +72,7 @@ class RankBox:
             sandbox.give_to(self.box, self.user)
         log = open(self.box / "k" / "ranks.log", "ab")  # noqa: SIM115 - the child owns it
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")} if self.use_sandbox or self.user else \
-            sandbox.kernel_env(self.box / "ranks")
+            sandbox.kernel_env(self.box / "ranks", self.settings)
         try:
             self.process = subprocess.Popen(self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=log, cwd=self.box / "ranks", env=env, start_new_session=True)
@@ -93,7 +97,7 @@ class RankBox:
     def request(self, message: dict, timeout: float, max_bytes: int) -> Any:
         """Send `message`, then wait at most `timeout` s for the reply, of at most `max_bytes`; its decoded value.
         Raises BoxStopped (and stops the box) when the box ends, hangs or replies what may not be read."""
-        if self.process is None or self.process.poll() is not None:
+        if not self.running:
             self.close()
             self.start()
         try:
@@ -143,12 +147,21 @@ class RankBox:
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
     # -- what a test asks ------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def fresh(self, tested: Any, timeout: float) -> None:
-        self.request({"op": "fresh", "tested": tested}, timeout, 1 << 20)
+        """Replace the ranks that have run, unless they ran the tests of `tested`. Ranks not started yet are fresh:
+        the box is not started for this (a notebook whose tests never reach the ranks never starts it)."""
+        if self.running:
+            self.request({"op": "fresh", "tested": tested}, timeout, 1 << 20)
         self.pids = {}
 
     def restart(self, timeout: float) -> None:
-        self.request({"op": "restart"}, timeout, 1 << 20)
+        """Replace the ranks that have run (none if the box is not running)."""
+        if self.running:
+            self.request({"op": "restart"}, timeout, 1 << 20)
         self.pids = {}
 
     def run(self, world_size: int, exercises: bytes, cells: dict, requests: list[bytes], timeout: float,

@@ -44,6 +44,9 @@ from grading.grader import KernelStopped, TestSession
 from grading.rank_box import RankBox
 
 RESULTS = "executed"  # <course>/executed/<assignment>/<student>/{<assignment>.ipynb, run.json, scored}
+# The assignments whose ranks (the notebook's and its tests') step no optimizer: their two rank servers are told so
+# (cs336_parallel.rank_server.NO_OPTIMIZER), and leave out what only an optimizer's first step imports (1 CPU-s each).
+NO_OPTIMIZER_ON_RANKS = frozenset({"00_setup", "01_collectives"})
 
 
 @dataclass
@@ -77,6 +80,12 @@ def load_execution(results: Path, assignment: str, student: str) -> Execution | 
         return None
 
 
+def rank_settings(master: Path | None) -> dict[str, str]:
+    """What the notebook's rank servers (the kernel's and the test ranks') are told about its ranks."""
+    return {"CS336_RANKS_STEP_NO_OPTIMIZER": "1"} if master is not None and master.stem in NO_OPTIMIZER_ON_RANKS \
+        else {}
+
+
 def limit_error(reason: str) -> NotebookNode:
     return NotebookNode(output_type="error", ename="LimitExceeded", evalue=reason,
                         traceback=[red_headline("LimitExceeded", reason)])
@@ -97,7 +106,8 @@ class LimitedExecute(Execute):
         self.cell_timeout = self.timeout  # nbgrader's backstop per cell (nbgrader_config.py)
         self.stopped = ""  # why no further cell runs
         self.shown_bytes = 0  # bytes of output so far
-        self.ranks = RankBox(box, use_sandbox=use_sandbox, user=user, memory=memory)  # the tests' ranks
+        self.settings = rank_settings(master)
+        self.ranks = RankBox(box, use_sandbox=use_sandbox, user=user, memory=memory, settings=self.settings)
         self.reply_path = box / "k" / "reply"  # where the kernel answers a test's request
         self.tests = TestSession(master, self) if master else None  # the course's tests, run here
         self.index = 0  # the cell being run
@@ -106,7 +116,7 @@ class LimitedExecute(Execute):
         self.km = sandbox.SandboxedKernelManager(
             kernel_name=self.kernel_name or self.nb.metadata.get("kernelspec", {}).get("name", "python3"),
             config=self.config, box=str(self.box), sandbox=self.use_sandbox, user=self.user or "",
-            cgroup_procs=str(self.memory.procs) if self.memory else "",
+            cgroup_procs=str(self.memory.procs) if self.memory else "", settings=self.settings,
             max_message_bytes=max(64 << 20, 2 * int(self.limits.output_mb * 1e6)))
         return self.km
 

@@ -23,13 +23,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import zmq
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import Bool, Int, Unicode
+from traitlets import Bool, Dict, Int, Unicode
 
 import cs336_parallel
 
@@ -99,16 +100,16 @@ def bwrap_args(box: Path, env: dict[str, str], writable: tuple[str, ...] = ("wor
     return [*args, "--"]
 
 
-def kernel_env(workdir: Path) -> dict[str, str]:
-    """The kernel's whole environment: nothing of the grader's but locale, thread counts, CS336_ settings, and where
-    the package is."""
+def kernel_env(workdir: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The kernel's whole environment: nothing of the grader's but locale, thread counts, CS336_ settings, where the
+    package is, and `extra`."""
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
            "HOME": str(workdir), "TMPDIR": "/tmp", "NBGRADER_EXECUTION": "autograde", "PYTHONNOUSERSITE": "1",
            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
            # the package the grader uses and binds into the sandbox, wherever the environment's own install points
            "PYTHONPATH": str(Path(cs336_parallel.__file__).resolve().parent.parent)}
     env.update({k: v for k, v in os.environ.items() if k in PASSED_ON or k.startswith(PASSED_ON_PREFIXES)})
-    return env
+    return {**env, **(extra or {})}
 
 
 def as_user(user: str) -> list[str]:
@@ -273,6 +274,7 @@ class SandboxedKernelManager(AsyncKernelManager):
     sandbox = Bool(True)
     user = Unicode("", help="without a sandbox: the unprivileged user the kernel runs as ('' for the grader's own)")
     cgroup_procs = Unicode("", help="cgroup.procs of the notebook's memory cgroup ('' for none)")
+    settings = Dict(help="added to the kernel's environment (`kernel_env`)")
     max_message_bytes = Int(64 << 20, help="the largest message the grader takes from the kernel: ZeroMQ drops a "
                                            "connection that sends a larger one, rather than the grader holding it")
 
@@ -297,7 +299,7 @@ class SandboxedKernelManager(AsyncKernelManager):
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
         if self.sandbox:
-            cmd = bwrap_args(Path(self.box), kernel_env(self.workdir)) + cmd
+            cmd = bwrap_args(Path(self.box), kernel_env(self.workdir, self.settings)) + cmd
         elif self.user:
             cmd = as_user(self.user) + cmd
         if self.cgroup_procs:  # join the cgroup first: everything the kernel starts is counted with it
@@ -315,7 +317,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         if self.sandbox:
             kw["env"] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # bwrap's own; the kernel's is set inside
         else:  # without a sandbox, the kernel ends itself if the grader dies (ipykernel's parent poller)
-            kw["env"] = {**kernel_env(self.workdir), "JPY_PARENT_PID": str(os.getpid())}
+            kw["env"] = {**kernel_env(self.workdir, self.settings), "JPY_PARENT_PID": str(os.getpid())}
         if self.user and not self.sandbox:
             give_to(Path(self.box), self.user)  # the connection file, the submission's copy, the ranks' folder
         try:

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cs336_parallel import plain, probes, protocol
+from cs336_parallel import plain, probes, protocol, rank_server, selfcheck
 from cs336_parallel.boundary import Exercise, rank_requests
-from grading import sandbox
+from grading import gradebook, runner, sandbox
 from grading.rank_box import BoxStopped, RankBox, ReplyTooLarge
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,6 +140,61 @@ def test_a_box_that_dies_during_a_request_is_named_and_replaced(box):
     box.process.wait()
     got, _ = run(box, echo, [(1,), (2,)])
     assert [r["double"] for r in got] == [2, 4]
+
+
+def pid_of_rank():
+    return os.getpid()
+
+
+def test_the_box_starts_on_the_first_run_not_when_asked_for_fresh_ranks(tmp_path):
+    """A notebook whose tests never reach the ranks (a blank one: each test stops at the kernel) starts no box;
+    once one runs, fresh ranks are new processes."""
+    box = RankBox(tmp_path, use_sandbox=False)
+    try:
+        box.fresh(("f", 1), 30)
+        box.restart(30)
+        assert box.process is None
+        first, _ = run(box, pid_of_rank, [()] * 2)
+        box.fresh(("f", 2), 30)
+        second, _ = run(box, pid_of_rank, [()] * 2)
+        box.restart(30)
+        third, _ = run(box, pid_of_rank, [()] * 2)
+    finally:
+        box.close()
+    assert not set(first) & set(second) and not set(second) & set(third), (first, second, third)
+
+
+def has_dynamo():
+    return "torch._dynamo" in sys.modules
+
+
+def step_an_optimizer():
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    torch.optim.SGD([weight], lr=0.5).step()
+    return weight.detach()
+
+
+def test_ranks_said_to_step_no_optimizer_start_without_what_one_needs_and_can_still_step_one(tmp_path):
+    """The grader tells the rank servers of 00 and 01 that their ranks step no optimizer, so the servers leave out
+    torch._dynamo (an optimizer's first step imports it: 1 CPU-s); a rank that steps one anyway imports it itself."""
+    master = gradebook.COURSE / "source" / "{0}" / "{0}.ipynb"
+    settings = runner.rank_settings(Path(str(master).format("01_collectives")))
+    assert settings == {rank_server.NO_OPTIMIZER: "1"} and runner.rank_settings(
+        Path(str(master).format("02_data_parallel"))) == {}
+    boxes = {"light": RankBox(tmp_path / "light", use_sandbox=False, settings=settings),
+             "full": RankBox(tmp_path / "full", use_sandbox=False)}
+    try:
+        assert run(boxes["light"], has_dynamo, [()] * 2)[0] == [False, False]
+        assert run(boxes["full"], has_dynamo, [()] * 2)[0] == [True, True]
+        stepped, _ = run(boxes["light"], step_an_optimizer, [()] * 2)
+    finally:
+        for box in boxes.values():
+            box.close()
+    assert all(torch.equal(w, torch.full((2,), 0.5)) for w in stepped), stepped
+    kernel = sandbox.SandboxedKernelManager(box=str(tmp_path / "kernel"), kernel_name=selfcheck.KERNEL,
+                                            settings=settings)
+    assert rank_server.NO_OPTIMIZER in kernel.format_kernel_cmd()  # set in the kernel's sandbox too
 
 
 def test_the_relay_never_loads_torch(tmp_path):
