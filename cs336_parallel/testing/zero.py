@@ -81,13 +81,16 @@ def release_memory(exercise) -> int:
     hand back to the system what this rank's allocator keeps of the memory freed so far; from now on, large blocks
     go back as soon as they are freed (glibc; elsewhere only the first two). Without it, the measured run would
     reuse memory an earlier test freed, or free some midway, and its peak measured outside would miss what it
-    allocates. (`exercise` rides along unused: a test's requests that name the same exercises reuse the copy of
-    them the ranks were sent.)"""
+    allocates. The rank's copy of what the rank server had imported (frozen there: cs336_parallel.in_rank_server) is
+    collected too, so that the pages a collection writes to are copied now, not counted in the measured run.
+    (`exercise` rides along unused: a test's requests that name the same exercises reuse the copy of them the
+    ranks were sent.)"""
     weight = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.AdamW([weight], lr=1e-3)
     weight.square().sum().backward()
     optimizer.step()
     del weight, optimizer
+    gc.unfreeze()
     gc.collect()
     try:
         libc = ctypes.CDLL("libc.so.6")
