@@ -6,7 +6,7 @@ as it exits (`rank_server.clean_up_after_kernel`) before its ranks die with it.
 
 It also freezes what the server has imported (`gc.freeze`, as Python's documentation advises before forking): a
 rank's garbage collections and `gc.get_objects()` (the tests' searches for tensors and modules) then skip the
-server's 300,000 objects, which stay shared, rather than walk them in every rank (0.1 CPU-s each time).
+server's 280,000 objects, which stay shared, rather than walk them in every rank (0.14 CPU-s each time).
 """
 
 import atexit

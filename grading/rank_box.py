@@ -93,6 +93,11 @@ class RankBox:
             for stream in (process.stdin, process.stdout):
                 stream.close()
 
+    @property
+    def running(self) -> bool:
+        """Whether the rank host is started and has not ended."""
+        return self.process is not None and self.process.poll() is None
+
     # -- requests --------------------------------------------------------------------------------------------
     def request(self, message: dict, timeout: float, max_bytes: int) -> Any:
         """Send `message`, then wait at most `timeout` s for the reply, of at most `max_bytes`; its decoded value.
@@ -147,10 +152,6 @@ class RankBox:
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
     # -- what a test asks ------------------------------------------------------------------------------------
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def fresh(self, tested: Any, timeout: float) -> None:
         """Replace the ranks that have run, unless they ran the tests of `tested`. Ranks not started yet are fresh:
         the box is not started for this (a notebook whose tests never reach the ranks never starts it)."""
