@@ -106,8 +106,7 @@ class LimitedExecute(Execute):
         self.cell_timeout = self.timeout  # nbgrader's backstop per cell (nbgrader_config.py)
         self.stopped = ""  # why no further cell runs
         self.shown_bytes = 0  # bytes of output so far
-        self.settings = rank_settings(master)
-        self.ranks = RankBox(box, use_sandbox=use_sandbox, user=user, memory=memory, settings=self.settings)
+        self.ranks = RankBox(box, use_sandbox=use_sandbox, user=user, memory=memory, settings=rank_settings(master))
         self.reply_path = box / "k" / "reply"  # where the kernel answers a test's request
         self.tests = TestSession(master, self) if master else None  # the course's tests, run here
         self.index = 0  # the cell being run
@@ -116,7 +115,7 @@ class LimitedExecute(Execute):
         self.km = sandbox.SandboxedKernelManager(
             kernel_name=self.kernel_name or self.nb.metadata.get("kernelspec", {}).get("name", "python3"),
             config=self.config, box=str(self.box), sandbox=self.use_sandbox, user=self.user or "",
-            cgroup_procs=str(self.memory.procs) if self.memory else "", settings=self.settings,
+            cgroup_procs=str(self.memory.procs) if self.memory else "", settings=self.ranks.settings,
             max_message_bytes=max(64 << 20, 2 * int(self.limits.output_mb * 1e6)))
         return self.km
 
