@@ -2,9 +2,10 @@
 
 A learner opens a notebook and reads before running its first cell. This kernel spends that time on what the
 first cell and `%cluster start` would wait for: importing torch (seconds on 2 cores), and starting the server
-the ranks are forked from (`rank_server`, which imports torch beside it). `make` registers it as the kernel
-"cs336-parallel" (`python -m cs336_parallel.kernel --install NAME DISPLAY_NAME`); hosted notebooks (Colab,
-Kaggle) keep their own kernel, where `%load_ext cs336_parallel` starts the server instead.
+the ranks are forked from (`rank_server`), a fork of this process once it has torch, so torch is imported once.
+`make` registers it as the kernel "cs336-parallel" (`python -m cs336_parallel.kernel --install NAME
+DISPLAY_NAME`); hosted notebooks (Colab, Kaggle) keep their own kernel, where `%load_ext cs336_parallel`
+starts the server instead.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from pathlib import Path
 
 
 def main() -> None:
-    """Import torch and start the rank server, then run ipykernel as `python -m ipykernel_launcher` does."""
+    """Import torch and fork the rank server, then run ipykernel as `python -m ipykernel_launcher` does."""
     if sys.path[0] in ("", str(Path.cwd())):  # as ipykernel_launcher: the notebook's folder shadows no import
         del sys.path[0]
     from . import rank_server
 
-    rank_server.warm_up()  # the server imports torch on one core while this process does on the other
     try:
         import torch  # noqa: F401 - the first cell's import, done while the learner reads
 
+        if not rank_server.start_forked():  # before ipykernel starts its threads
+            rank_server.warm_up()  # a Python whose forkserver this does not know: a server of its own
         rank_server.await_ready()
     except Exception:  # noqa: BLE001, S110 - a broken install is the first cell's to explain (versions.check_torch)
         pass

@@ -2,7 +2,9 @@
 
 Importing torch takes about a second. The server pays it once per kernel, and `%load_ext cs336_parallel`
 starts it in the background (while the kernel imports torch itself), so `%cluster start` only forks.
-This module imports nothing heavy: warming up must not wait for torch.
+The course's own kernel (`kernel`) does better: it imports torch, then forks the server from itself
+(`start_forked`), so torch is imported once, not twice. This module imports nothing heavy: warming up
+must not wait for torch.
 
 The server also cleans up after its kernel. It runs in a session of its own (`in_rank_server`), so it
 outlives a kill of the kernel's process group by the moment it takes to notice: then it kills the
@@ -19,9 +21,11 @@ import multiprocessing.context
 import os
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
-from multiprocessing import forkserver
+from multiprocessing import connection, forkserver, resource_tracker
 
 from . import procfs
 
@@ -51,6 +55,49 @@ def warm_up() -> None:
     """Start the server now, without waiting for it; the first cluster then starts in a fraction of a second."""
     context()
     forkserver.ensure_running()
+
+
+# The state of multiprocessing's forkserver that `start_forked` fills in as its `ensure_running` would, and the
+# arguments of the server's main loop, as in Python 3.11 (3.14 adds an authentication key): where they differ,
+# `start_forked` declines.
+FORKSERVER_STATE = ["_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_inherited_fds", "_lock",
+                    "_preload_modules"]
+FORKSERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+
+
+def start_forked() -> bool:
+    """Start the server as a fork of this process, which must have imported torch and started no thread of its
+    own (the course's kernel, before ipykernel starts): the server then imports only the rest of `preload()`,
+    a CPU-second cheaper than a server that starts Python anew (the grader starts a kernel for each notebook it
+    grades). It is then multiprocessing's forkserver as `ensure_running` would have started it, and exits the
+    same way (SystemExit, once no one holds its "alive" pipe). False, with nothing started, where
+    multiprocessing is not the one this mirrors: `warm_up()` then starts the server the usual way."""
+    server = forkserver._forkserver
+    code = forkserver.main.__code__
+    arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    if sorted(vars(server)) != FORKSERVER_STATE or list(arguments) != FORKSERVER_MAIN:
+        return False
+    context()  # the preload list, for a server multiprocessing starts again (if this one dies)
+    with server._lock:
+        resource_tracker.ensure_running()
+        if server._forkserver_pid is not None:
+            return True
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the server: it never returns to the code that forked it
+                try:
+                    os.close(alive_w)
+                    forkserver.main(listener.fileno(), alive_r, preload())  # SystemExit once the kernel has gone
+                finally:
+                    sys.exit()
+            os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
 
 
 def _started() -> None:
