@@ -24,7 +24,7 @@ def main() -> None:
     try:
         import torch  # noqa: F401 - the first cell's import, done while the learner reads
 
-        if not rank_server.start_forked():  # before ipykernel starts its threads
+        if not rank_server.start_forked():  # torch._dynamo too, for both; before ipykernel starts its threads
             rank_server.warm_up()  # a Python whose forkserver this does not know: a server of its own
         rank_server.await_ready()
     except Exception:  # noqa: BLE001, S110 - a broken install is the first cell's to explain (versions.check_torch)

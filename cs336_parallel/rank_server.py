@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import importlib
 import multiprocessing
 import multiprocessing.context
 import os
@@ -66,17 +67,21 @@ FORKSERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 
 
 def start_forked() -> bool:
-    """Start the server as a fork of this process, which must have imported torch and started no thread of its
-    own (the course's kernel, before ipykernel starts): the server then imports only the rest of `preload()`,
-    a CPU-second cheaper than a server that starts Python anew (the grader starts a kernel for each notebook it
-    grades). It is then multiprocessing's forkserver as `ensure_running` would have started it, and exits the
-    same way (SystemExit, once no one holds its "alive" pipe). False, with nothing started, where
-    multiprocessing is not the one this mirrors: `warm_up()` then starts the server the usual way."""
+    """Start the server as a fork of this process (the course's kernel, before ipykernel starts its threads),
+    once this process has imported torch's modules of `preload()`: the kernel needs them too (an optimizer's
+    step imports torch._dynamo), so they are imported once, not twice, and the server imports only the course's
+    own. That is one to two CPU-seconds less than a server that starts Python anew, and the grader starts a
+    kernel for each notebook it grades. The server is then multiprocessing's forkserver as `ensure_running`
+    would have started it, and exits the same way (SystemExit, once no one holds its "alive" pipe). False, with
+    nothing started, where multiprocessing is not the one this mirrors: `warm_up()` then starts it as usual."""
     server = forkserver._forkserver
     code = forkserver.main.__code__
     arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     if sorted(vars(server)) != FORKSERVER_STATE or list(arguments) != FORKSERVER_MAIN:
         return False
+    for module in preload():
+        if module.split(".")[0] == "torch":
+            importlib.import_module(module)
     context()  # the preload list, for a server multiprocessing starts again (if this one dies)
     with server._lock:
         resource_tracker.ensure_running()

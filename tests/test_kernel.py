@@ -267,8 +267,9 @@ def test_a_test_cell_runs_its_checks_in_the_notebook_and_refuses_to_while_graded
 
 def test_the_courses_kernel_answers_with_torch_imported_and_the_rank_server_ready(tmp_path):
     """What a learner's first cell would wait for is done before the kernel answers, and torch is imported once:
-    the server is a fork of the kernel (its command line is the kernel's), not a new Python. A file in the
-    notebook's folder named like a module the kernel imports before its own start (ipykernel.py) shadows nothing."""
+    the server is a fork of the kernel (its command line is the kernel's), not a new Python, forked once the kernel
+    had what both need (torch._dynamo: an optimizer's step imports it). A file in the notebook's folder named like
+    a module the kernel imports before its own start (ipykernel.py) shadows nothing."""
     (tmp_path / "ipykernel.py").write_text("raise SystemExit('the folder shadowed ipykernel')")
     out = []
     km, kc = start_new_kernel(kernel_name=selfcheck.KERNEL, cwd=str(tmp_path), stderr=subprocess.DEVNULL,
@@ -278,11 +279,11 @@ def test_the_courses_kernel_answers_with_torch_imported_and_the_rank_server_read
             "import sys\nfrom multiprocessing import forkserver\nfrom cs336_parallel import procfs\n"
             "server = forkserver._forkserver._forkserver_pid\n"
             "print('torch' in sys.modules, sys.modules['torch'].__file__.endswith('torch/__init__.py'), "
-            "procfs.state(server) not in (None, 'Z'), "
+            "procfs.state(server) not in (None, 'Z'), 'torch._dynamo' in sys.modules, "
             "open(f'/proc/{server}/cmdline').read() == open('/proc/self/cmdline').read())", timeout=PATIENCE_S,
             output_hook=lambda msg: out.append(msg["content"].get("text", "")) if msg["msg_type"] == "stream" else None)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "".join(out) == "True True True True\n"
+    assert "".join(out) == "True True True True True\n"
